@@ -1,0 +1,156 @@
+"""Autoregressive decode step of a Qwen3.6-27B-shaped target with random BF16 weights (GPU script).
+
+Measures, with CUDA events after warm-up (median of many steps):
+  * the device-to-device copy bandwidth (bytes read + written), hence the bandwidth floor of one decode step
+    = weight bytes / copy bandwidth;
+  * our CUDA-graph decode step at contexts 1k and 4k (graph replay only), and the full per-token loop the
+    engine runs (replay + greedy argmax + reading the token on the host);
+  * optionally (--hf) the same config through `transformers` (1-token forward with its cache).
+
+    python benchmarks/bench_ar_decode.py --out $OUT/ar_decode.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from dflash_tfm.config import ModelConfig
+from dflash_tfm.engine.model_runner import ModelRunner
+from dflash_tfm.loading.loader import build_model
+from dflash_tfm.models.presets import QWEN3_6_27B
+from dflash_tfm.models.random_init import init_random_
+
+
+def copy_bandwidth(gib: float = 4.0, iters: int = 20) -> float:
+    """Bytes read + written per second of a large device-to-device copy (random data)."""
+    n = int(gib * 2**30) // 2
+    src = torch.randn(n, dtype=torch.bfloat16, device="cuda")
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        dst.copy_(src)
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * n * 2 / statistics.median(times)
+
+
+def time_ms(fn, iters: int) -> float:
+    """Median milliseconds of fn() measured with CUDA events, one event pair per call."""
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def bench_ours(cfg: ModelConfig, contexts: list[int], iters: int) -> tuple[dict, int]:
+    model = init_random_(build_model(cfg, torch.device("cuda"), torch.bfloat16, max_positions=max(contexts) + 1024))
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    runner = ModelRunner(model, max_len=max(contexts) + 512, device=torch.device("cuda"))
+    results = {}
+    for ctx in contexts:
+        runner.reset()
+        prompt = torch.randint(0, cfg.vocab_size, (ctx,), device="cuda")
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        logits = runner.prefill(prompt)
+        torch.cuda.synchronize()
+        prefill_s = time.perf_counter() - t0
+        token = logits.argmax().view(1)
+        pos = ctx
+        runner.decode(token, pos)  # captures the graph of this bucket
+        torch.cuda.synchronize()
+
+        def replay_only() -> None:
+            runner.decode(token, pos)
+
+        step_ms = time_ms(replay_only, iters)
+
+        def engine_loop() -> None:
+            nonlocal token, pos
+            logits = runner.decode(token, pos)
+            token = logits.argmax(dim=-1)
+            int(token.item())
+            pos += 1
+
+        loop_ms = time_ms(engine_loop, iters)
+        results[ctx] = {"prefill_s": prefill_s, "graph_step_ms": step_ms, "engine_loop_ms": loop_ms}
+        print(f"ctx {ctx}: prefill {prefill_s:.2f} s, graph step {step_ms:.2f} ms, loop {loop_ms:.2f} ms", flush=True)
+    del runner, model
+    torch.cuda.empty_cache()
+    return results, weight_bytes
+
+
+def bench_transformers(raw: dict, ctx: int, iters: int) -> dict:
+    """The same config through transformers' Qwen3_5ForCausalLM (1-token forward with its DynamicCache)."""
+    import transformers as tf
+
+    cfg = tf.Qwen3_5TextConfig(**{k: v for k, v in raw.items() if k != "model_type"})
+    with torch.device("meta"):
+        model = tf.Qwen3_5ForCausalLM(cfg)
+    model = model.to_empty(device="cuda").to(torch.bfloat16).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.02)
+        ids = torch.randint(0, cfg.vocab_size, (1, ctx), device="cuda")
+        out = model(input_ids=ids, use_cache=True)
+        cache = out.past_key_values
+        nxt = out.logits[:, -1:].argmax(-1)
+        ms = time_ms(lambda: model(input_ids=nxt, past_key_values=cache, use_cache=True), iters)
+    del model
+    torch.cuda.empty_cache()
+    return {"ctx": ctx, "forward_1tok_ms": ms}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096])
+    ap.add_argument("--iters", type=int, default=100)
+    ap.add_argument("--hf", action="store_true", help="also time transformers' implementation (slow)")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    cfg = ModelConfig.from_dict(QWEN3_6_27B)
+    bw = copy_bandwidth()
+    ours, weight_bytes = bench_ours(cfg, args.contexts, args.iters)
+    floor_ms = weight_bytes / bw * 1e3
+    report = {
+        "gpu": torch.cuda.get_device_name(),
+        "copy_bandwidth_TBps": bw / 1e12,
+        "weight_GB": weight_bytes / 1e9,
+        "floor_ms": floor_ms,
+        "floor_tok_s": 1e3 / floor_ms,
+        "ours": ours,
+    }
+    if args.hf:
+        report["transformers"] = bench_transformers(QWEN3_6_27B, args.contexts[0], max(5, args.iters // 10))
+    print(f"\ncopy bandwidth {bw / 1e12:.2f} TB/s; weights {weight_bytes / 1e9:.1f} GB; floor {floor_ms:.2f} ms "
+          f"= {1e3 / floor_ms:.1f} tok/s")
+    print("| context | graph step ms | tok/s | % of floor | engine loop ms | tok/s |")
+    print("|---|---|---|---|---|---|")
+    for ctx, r in ours.items():
+        print(f"| {ctx} | {r['graph_step_ms']:.2f} | {1e3 / r['graph_step_ms']:.1f} | "
+              f"{100 * floor_ms / r['graph_step_ms']:.1f}% | {r['engine_loop_ms']:.2f} | {1e3 / r['engine_loop_ms']:.1f} |")
+    if "transformers" in report:
+        print(f"transformers 1-token forward at ctx {args.contexts[0]}: {report['transformers']['forward_1tok_ms']:.1f} ms")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,100 @@
+"""`dflash-tfm` command line: one entry point, one subcommand per job.
+
+Subcommands are registered here as their capability lands; an input error prints one line naming the
+problem (no traceback) and exits with status 2.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+SPEC_ALGOS = ["NONE", "DFLASH", "DDTREE", "DFLASH_TFM"]
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Model and speculative flags shared by `generate` and the server (same spellings as the server)."""
+    p.add_argument("--model-path", default=None, help="local HF directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
+    p.add_argument("--device", default=None, help="cuda, cuda:1, cpu (default: cuda if available)")
+    p.add_argument("--max-model-len", type=int, default=None, help="context length the static caches are sized for")
+    p.add_argument("--speculative-algorithm", default=None, type=str.upper, choices=SPEC_ALGOS)
+    p.add_argument("--speculative-draft-model-path", default=None)
+    p.add_argument("--speculative-dflash-tfm-path", default=None, help="Weaver checkpoint (.pth)")
+    p.add_argument("--speculative-dflash-tfm-tree-budget", type=int, default=64)
+    p.add_argument("--speculative-dflash-block-size", type=int, default=16)
+    p.add_argument("--speculative-gdn-verify-kernel", default="chunk", choices=["chunk", "recurrent"])
+    p.add_argument("--disable-cuda-graph", action="store_true")
+
+
+def engine_from_args(args: argparse.Namespace):
+    from dflash_tfm import Engine
+
+    algo = None if args.speculative_algorithm in (None, "NONE") else args.speculative_algorithm
+    return Engine(
+        args.model_path,
+        speculative_algorithm=algo,
+        draft_model_path=args.speculative_draft_model_path,
+        weaver_path=args.speculative_dflash_tfm_path,
+        tree_budget=args.speculative_dflash_tfm_tree_budget,
+        block_size=args.speculative_dflash_block_size,
+        gdn_verify_kernel=args.speculative_gdn_verify_kernel,
+        device=args.device,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        use_cuda_graph=not args.disable_cuda_graph,
+    )
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from dflash_tfm import SamplingParams
+
+    params = SamplingParams(
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_new_tokens=args.max_new_tokens,
+        seed=args.seed, stop=args.stop or [],
+    )
+    engine = engine_from_args(args)
+    thinking = None if args.reasoning is None else args.reasoning == "on"
+    out = engine.generate(args.prompt, params, chat=args.chat, enable_thinking=thinking)
+    print(out.text)
+    s = out.stats
+    print(
+        f"\n[{s.completion_tokens} tokens, finish={out.finish_reason}, prefill {s.prompt_tokens} tok in "
+        f"{s.prefill_seconds * 1e3:.1f} ms, decode {s.decode_tokens_per_second:.1f} tok/s, "
+        f"tau={s.accept_length:.2f} over {s.verify_steps} target steps]",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dflash-tfm", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text for one prompt")
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt as a user turn with the chat template")
+    gen.add_argument("--reasoning", choices=["on", "off"], default=None, help="Qwen thinking mode (chat only)")
+    gen.add_argument("--max-new-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stop", action="append", help="stop string (repeatable)")
+    add_engine_args(gen)
+    gen.set_defaults(func=cmd_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from dflash_tfm.loading.errors import CheckpointError
+
+    try:
+        return args.func(args)
+    except (FileNotFoundError, CheckpointError, ValueError, NotImplementedError) as e:
+        print(f"dflash-tfm {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,222 @@
+"""Target-model configuration parsed from a Hugging Face `config.json` (or the dict a GGUF file yields).
+
+One dataclass describes every supported target: dense attention models (llama, qwen3) and hybrid
+Gated-DeltaNet models (qwen3_5 text or its vision-language wrapper, qwen3_next). The per-architecture
+differences the forward pass needs (norm style, output gate, q/k norm) are plain fields here; weight-name
+quirks live in `loading/weight_map.py`.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dflash_tfm.loading.errors import CheckpointError
+
+SUPPORTED_ARCHITECTURES = ("llama", "qwen3", "qwen3_5", "qwen3_5_text", "qwen3_next")
+FULL_ATTENTION = "full_attention"
+LINEAR_ATTENTION = "linear_attention"
+
+
+@dataclass
+class ModelConfig:
+    """Everything the target model's forward pass and caches need to know."""
+
+    model_type: str  # normalised: "llama" | "qwen3" | "qwen3_5" | "qwen3_next"
+    hidden_size: int
+    num_layers: int
+    vocab_size: int
+    intermediate_size: int
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+    # attention layers
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float
+    partial_rotary_factor: float = 1.0
+    attn_output_gate: bool = False  # q_proj emits [query | gate] per head (Qwen3.5 / Qwen3-Next)
+    qk_norm: bool = False
+    attention_bias: bool = False
+    norm_plus_one: bool = False  # decoder RMSNorms scale by (1 + w) instead of w
+    # Gated DeltaNet layers
+    layer_types: list[str] = field(default_factory=list)
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 4
+    # checkpoint layout
+    weight_prefix: str = "model."  # where decoder weights live ("model.language_model." for the VL wrapper)
+    fused_gdn_projections: bool = False  # Qwen3-Next in_proj_qkvz / in_proj_ba
+    eos_token_ids: list[int] = field(default_factory=list)
+    bos_token_id: int | None = None
+
+    @property
+    def is_hybrid(self) -> bool:
+        return LINEAR_ATTENTION in self.layer_types
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def gdn_key_dim(self) -> int:
+        return self.linear_num_key_heads * self.linear_key_head_dim
+
+    @property
+    def gdn_value_dim(self) -> int:
+        return self.linear_num_value_heads * self.linear_value_head_dim
+
+    @property
+    def gdn_conv_dim(self) -> int:
+        return 2 * self.gdn_key_dim + self.gdn_value_dim
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> "ModelConfig":
+        """Parse a HF config dict; raises CheckpointError for unsupported or inconsistent configs."""
+        model_type = raw.get("model_type")
+        prefix = "model."
+        if model_type == "qwen3_5" or "text_config" in raw:
+            # Vision-language wrapper: the text model's fields live under text_config.
+            text = dict(raw.get("text_config") or raw)
+            prefix = "model.language_model." if "text_config" in raw else "model."
+            if text.get("num_experts"):
+                raise CheckpointError("MoE Qwen3.5 checkpoints (qwen3_5_moe) are not supported yet")
+            return cls._hybrid(text, "qwen3_5", prefix, raw)
+        if model_type == "qwen3_5_text":
+            return cls._hybrid(raw, "qwen3_5", prefix, raw)
+        if model_type == "qwen3_next":
+            return cls._hybrid(raw, "qwen3_next", prefix, raw)
+        if model_type in ("llama", "qwen3"):
+            return cls._dense(raw, model_type)
+        raise CheckpointError(
+            f"unsupported architecture model_type={model_type!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+
+    @staticmethod
+    def _rope(raw: dict) -> tuple[float, float]:
+        params = raw.get("rope_parameters") or {}
+        scaling = raw.get("rope_scaling") or {}
+        rope_type = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+        if rope_type not in ("default", "mrope"):
+            raise CheckpointError(f"unsupported rope_type {rope_type!r}; supported: default (and mrope for text)")
+        theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
+        factor = params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
+        return float(theta), float(factor)
+
+    @staticmethod
+    def _common(raw: dict) -> dict:
+        try:
+            hidden = int(raw["hidden_size"])
+            heads = int(raw["num_attention_heads"])
+            fields = dict(
+                hidden_size=hidden,
+                num_layers=int(raw["num_hidden_layers"]),
+                vocab_size=int(raw["vocab_size"]),
+                intermediate_size=int(raw["intermediate_size"]),
+                rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+                max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
+                num_heads=heads,
+                num_kv_heads=int(raw.get("num_key_value_heads") or heads),
+                head_dim=int(raw.get("head_dim") or hidden // heads),
+                attention_bias=bool(raw.get("attention_bias", False)),
+            )
+        except KeyError as e:
+            raise CheckpointError(f"config is missing required field {e.args[0]!r}") from None
+        if fields["attention_bias"]:
+            raise CheckpointError("attention_bias=True checkpoints are not supported yet")
+        fields["eos_token_ids"] = _eos_ids(raw)
+        fields["bos_token_id"] = raw.get("bos_token_id")
+        return fields
+
+    @classmethod
+    def _dense(cls, raw: dict, model_type: str) -> "ModelConfig":
+        fields = cls._common(raw)
+        theta, factor = cls._rope(raw)
+        return cls(
+            model_type=model_type,
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            rope_theta=theta,
+            partial_rotary_factor=factor,
+            qk_norm=model_type == "qwen3",
+            layer_types=[FULL_ATTENTION] * fields["num_layers"],
+            **fields,
+        )
+
+    @classmethod
+    def _hybrid(cls, text: dict, model_type: str, prefix: str, outer: dict) -> "ModelConfig":
+        fields = cls._common(text)
+        theta, factor = cls._rope(text)
+        n = fields["num_layers"]
+        layer_types = text.get("layer_types")
+        if not layer_types:
+            interval = int(text.get("full_attention_interval", 4))
+            layer_types = [FULL_ATTENTION if (i + 1) % interval == 0 else LINEAR_ATTENTION for i in range(n)]
+        if len(layer_types) != n:
+            raise CheckpointError(f"layer_types has {len(layer_types)} entries but num_hidden_layers is {n}")
+        unknown = set(layer_types) - {FULL_ATTENTION, LINEAR_ATTENTION}
+        if unknown:
+            raise CheckpointError(f"unknown layer types {sorted(unknown)}")
+        if model_type == "qwen3_next" and int(text.get("num_experts", 0) or 0) > 0:
+            step = int(text.get("decoder_sparse_step", 1))
+            mlp_only = set(text.get("mlp_only_layers", []))
+            if any(i not in mlp_only and (i + 1) % step == 0 for i in range(n)):
+                raise CheckpointError("Qwen3-Next MoE layers are not supported yet (dense MLP layers only)")
+        tie = outer.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
+        fields["eos_token_ids"] = _eos_ids(text, outer)
+        hk = int(text["linear_num_key_heads"])
+        hv = int(text["linear_num_value_heads"])
+        if hv % hk:
+            raise CheckpointError(f"linear_num_value_heads ({hv}) must be a multiple of linear_num_key_heads ({hk})")
+        return cls(
+            model_type=model_type,
+            tie_word_embeddings=bool(tie),
+            rope_theta=theta,
+            partial_rotary_factor=factor,
+            attn_output_gate=bool(text.get("attn_output_gate", True)),
+            qk_norm=True,
+            norm_plus_one=True,
+            layer_types=list(layer_types),
+            linear_num_key_heads=hk,
+            linear_num_value_heads=hv,
+            linear_key_head_dim=int(text["linear_key_head_dim"]),
+            linear_value_head_dim=int(text["linear_value_head_dim"]),
+            linear_conv_kernel_dim=int(text.get("linear_conv_kernel_dim", 4)),
+            weight_prefix=prefix,
+            fused_gdn_projections=model_type == "qwen3_next",
+            **fields,
+        )
+
+
+def _eos_ids(*configs: dict) -> list[int]:
+    """Union of eos ids from config.json and generation_config.json (either may hold an int or a list)."""
+    ids: list[int] = []
+    for cfg in configs:
+        for key in ("eos_token_id", "_generation_eos_token_id"):
+            value = cfg.get(key)
+            for t in [] if value is None else ([value] if isinstance(value, int) else value):
+                if int(t) not in ids:
+                    ids.append(int(t))
+    return ids
+
+
+def load_config_file(model_dir: Path) -> dict:
+    """Read config.json from a HF model directory with clear errors."""
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"no config.json in model directory {model_dir}")
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path} is not valid JSON: {e}") from None
+    gen = Path(model_dir) / "generation_config.json"
+    if gen.is_file():
+        try:
+            eos = json.loads(gen.read_text()).get("eos_token_id")
+        except json.JSONDecodeError:
+            eos = None
+        if eos is not None:
+            raw.setdefault("_generation_eos_token_id", eos)
+    return raw

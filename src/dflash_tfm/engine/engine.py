@@ -1,0 +1,172 @@
+"""`Engine`: the facade users, the CLI and the server call. One sequence at a time (batch 1).
+
+    from dflash_tfm import Engine, SamplingParams
+    engine = Engine()                      # embedded SmolLM2-135M-Instruct
+    out = engine.generate("Hello", SamplingParams(max_new_tokens=32))
+    print(out.text, out.stats.accept_length)
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from dflash_tfm.engine.detokenizer import IncrementalDetokenizer
+from dflash_tfm.engine.model_runner import ModelRunner
+from dflash_tfm.engine.result import GenerationResult, GenerationStats
+from dflash_tfm.engine.sampler import make_generator, sample
+from dflash_tfm.loading.loader import load_target, parse_dtype
+from dflash_tfm.sampling_params import SamplingParams
+
+SPECULATIVE_ALGORITHMS = ("DFLASH", "DDTREE", "DFLASH_TFM")
+DEFAULT_MAX_MODEL_LEN = 32768
+
+Prompt = str | list[int] | list[dict]
+
+
+@dataclass
+class StreamDelta:
+    """Incremental output: new token ids and new text since the last delta; `finish_reason` on the last one."""
+
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None
+    stats: GenerationStats = field(default_factory=GenerationStats)
+
+
+class Engine:
+    def __init__(
+        self,
+        model_path: str | Path | None = None,
+        *,
+        speculative_algorithm: str | None = None,
+        draft_model_path: str | Path | None = None,
+        weaver_path: str | Path | None = None,
+        tree_budget: int = 64,
+        block_size: int = 16,
+        gdn_verify_kernel: str = "chunk",
+        device: str | torch.device | None = None,
+        dtype: str | torch.dtype = "auto",
+        max_model_len: int | None = None,
+        use_cuda_graph: bool = True,
+        progress: bool = True,
+    ) -> None:
+        """dtype "auto" = bfloat16 on CUDA and float32 on the CPU (CPU bf16 matmuls are slow and inexact).
+        max_model_len defaults to min(the model's context, 32768) and sizes the static caches."""
+        if speculative_algorithm is not None:
+            algo = str(speculative_algorithm).upper()
+            if algo not in SPECULATIVE_ALGORITHMS:
+                raise ValueError(
+                    f"unknown speculative_algorithm {speculative_algorithm!r}; choose None or one of {SPECULATIVE_ALGORITHMS}"
+                )
+            raise NotImplementedError(f"speculative_algorithm={algo} is not implemented yet; only autoregressive decoding")
+        if gdn_verify_kernel not in ("chunk", "recurrent"):
+            raise ValueError(f"gdn_verify_kernel must be 'chunk' or 'recurrent', got {gdn_verify_kernel!r}")
+        self.device = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device='cuda' requested but CUDA is not available")
+        if dtype == "auto":
+            dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        self.dtype = parse_dtype(dtype)
+        loaded = load_target(model_path, self.device, self.dtype, max_positions=None, progress=progress)
+        self.config, self.tokenizer, self.model_path = loaded.config, loaded.tokenizer, loaded.source_path
+        limit = min(self.config.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
+        self.max_model_len = int(max_model_len or limit)
+        if not 1 < self.max_model_len <= self.config.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len must be in [2, {self.config.max_position_embeddings}], got {self.max_model_len}"
+            )
+        self.runner = ModelRunner(loaded.model, self.max_model_len, self.device, use_cuda_graph=use_cuda_graph)
+        self.eos_token_ids = set(self.config.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            self.eos_token_ids.add(int(self.tokenizer.eos_token_id))
+
+    # ---- prompts -------------------------------------------------------------------------------------
+    def apply_chat_template(self, messages: list[dict], enable_thinking: bool | None = None) -> list[int]:
+        """Token ids of a chat with the generation prompt appended; `enable_thinking` is passed to
+        templates that read it (Qwen reasoning on/off) and ignored by others."""
+        kwargs = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **kwargs)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return list(ids)
+
+    def encode_prompt(self, prompt: Prompt, chat: bool = False, enable_thinking: bool | None = None) -> list[int]:
+        """str (raw text, or a single user turn when chat=True), list of messages, or token ids -> token ids."""
+        if isinstance(prompt, str):
+            if chat:
+                return self.apply_chat_template([{"role": "user", "content": prompt}], enable_thinking)
+            return list(self.tokenizer.encode(prompt, add_special_tokens=False))
+        if prompt and all(isinstance(m, dict) for m in prompt):
+            return self.apply_chat_template(prompt, enable_thinking)  # type: ignore[arg-type]
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            raise ValueError("prompt must be a string, a list of chat messages, or a list of token ids")
+        bad = [t for t in prompt if not 0 <= t < self.config.vocab_size]
+        if bad:
+            raise ValueError(f"token ids out of range [0, {self.config.vocab_size}): {bad[:8]}")
+        return list(prompt)  # type: ignore[arg-type]
+
+    # ---- generation ----------------------------------------------------------------------------------
+    def generate(
+        self, prompt: Prompt, params: SamplingParams | None = None, *, chat: bool = False,
+        enable_thinking: bool | None = None,
+    ) -> GenerationResult:
+        ids: list[int] = []
+        text = ""
+        delta = None
+        for delta in self.stream(prompt, params, chat=chat, enable_thinking=enable_thinking):
+            ids += delta.token_ids
+            text += delta.text
+        assert delta is not None
+        return GenerationResult(token_ids=ids, text=text, finish_reason=delta.finish_reason or "length", stats=delta.stats)
+
+    def stream(
+        self, prompt: Prompt, params: SamplingParams | None = None, *, chat: bool = False,
+        enable_thinking: bool | None = None,
+    ) -> Iterator[StreamDelta]:
+        """Generate incrementally. Closing the iterator early (client gone) stops decoding at once."""
+        params = params or SamplingParams()
+        params.validate()
+        prompt_ids = self.encode_prompt(prompt, chat, enable_thinking)
+        if not prompt_ids:
+            raise ValueError("prompt is empty")
+        if len(prompt_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(prompt_ids)} tokens but the context is {self.max_model_len} tokens "
+                "(max_model_len); shorten the prompt"
+            )
+        budget = min(params.max_new_tokens, self.max_model_len - len(prompt_ids))
+        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
+        stats = GenerationStats(prompt_tokens=len(prompt_ids))
+        generator = make_generator(params, self.device)
+        detok = IncrementalDetokenizer(self.tokenizer, params.stop)
+
+        self.runner.reset()
+        t0 = time.perf_counter()
+        logits = self.runner.prefill(torch.tensor(prompt_ids, dtype=torch.long))
+        token = sample(logits.view(1, -1), params, generator)
+        tok = int(token.item())
+        stats.prefill_seconds = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        position = len(prompt_ids)
+        while True:
+            stats.completion_tokens += 1
+            text, stopped_by_string = detok.push(tok)
+            finish = None
+            if tok in stop_ids or stopped_by_string:
+                finish = "stop"
+            elif stats.completion_tokens >= budget:
+                finish = "length"
+            if finish:
+                stats.decode_seconds = time.perf_counter() - t0
+                yield StreamDelta([tok], text + detok.flush(), finish, stats)
+                return
+            yield StreamDelta([tok], text, None, stats)
+            logits = self.runner.decode(token, position)
+            stats.verify_steps += 1
+            position += 1
+            token = sample(logits, params, generator)
+            tok = int(token.item())

@@ -1,0 +1,99 @@
+"""Owns the target model, its static caches and the CUDA graphs of the decode step.
+
+Prefill runs eagerly in chunks (bounded activation memory for long prompts). Decode of one token is
+captured once per key-length bucket (powers of two up to the max length): attention reads only
+`bucket` cache slots, so short contexts do not pay for the whole static cache, and a replay launches the
+entire step with no host work but copying the token and position into static buffers.
+"""
+from __future__ import annotations
+
+import torch
+
+from dflash_tfm.engine.cache import ModelCache
+from dflash_tfm.models.decoder import CausalLM
+
+MIN_BUCKET = 256
+
+
+class ModelRunner:
+    def __init__(
+        self, model: CausalLM, max_len: int, device: torch.device, use_cuda_graph: bool = True,
+        prefill_chunk: int = 2048,
+    ) -> None:
+        self.model = model
+        self.max_len = max_len
+        self.device = device
+        self.dtype = model.embed_tokens.dtype
+        self.cache = ModelCache(model.config, max_len, batch=1, dtype=self.dtype, device=device)
+        self.use_cuda_graph = use_cuda_graph and device.type == "cuda"
+        self.prefill_chunk = prefill_chunk
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._graph_pool = None
+        self._static_ids = torch.zeros(1, 1, dtype=torch.long, device=device)
+        self._static_pos = torch.zeros(1, 1, dtype=torch.long, device=device)
+
+    def reset(self) -> None:
+        self.cache.reset()
+
+    @torch.inference_mode()
+    def prefill(self, token_ids: torch.Tensor, start: int = 0) -> torch.Tensor:
+        """Feed token_ids [T] at positions start.. (chunked); returns fp32 logits [V] of the last token."""
+        T = token_ids.shape[0]
+        if start + T > self.max_len:
+            raise ValueError(f"{start + T} tokens exceed the engine's max length {self.max_len}")
+        ids = token_ids.to(self.device).view(1, T)
+        hidden = None
+        for s in range(0, T, self.prefill_chunk):
+            e = min(T, s + self.prefill_chunk)
+            positions = torch.arange(start + s, start + e, device=self.device).view(1, -1)
+            hidden, _ = self.model(ids[:, s:e], positions, self.cache, kv_len=start + e)
+        return self.model.logits(hidden[0, -1])
+
+    def bucket(self, position: int) -> int:
+        """Smallest power-of-two key length (>= MIN_BUCKET, <= max_len) covering `position`."""
+        b = MIN_BUCKET
+        while b <= position:
+            b *= 2
+        return min(b, self.max_len)
+
+    @torch.inference_mode()
+    def decode(self, token: torch.Tensor, position: int) -> torch.Tensor:
+        """One token (a device tensor of 1 element) at `position` -> fp32 logits [1, V]; advances the caches."""
+        if position >= self.max_len:
+            raise ValueError(f"position {position} is beyond the engine's max length {self.max_len}")
+        kv_len = self.bucket(position)
+        self._static_ids.copy_(token.view(1, 1))
+        self._static_pos.fill_(position)
+        if not self.use_cuda_graph:
+            return self._step(kv_len)
+        if kv_len not in self._graphs:
+            self._capture(kv_len)
+        graph, logits = self._graphs[kv_len]
+        graph.replay()
+        return logits
+
+    def _step(self, kv_len: int) -> torch.Tensor:
+        hidden, _ = self.model(self._static_ids, self._static_pos, self.cache, kv_len=kv_len)
+        return self.model.logits(hidden[:, -1])
+
+    def _capture(self, kv_len: int) -> None:
+        """Warm up (compiles Triton kernels, picks cuBLAS algorithms) and capture one decode step.
+
+        The warm-up step runs on a scratch copy of the recurrent caches' contents so capture leaves the
+        live state exactly as it was: the real step is the replay that follows."""
+        saved = [(s.clone(), w.clone()) for s, w in self.cache.gdn.values()]
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self._step(kv_len)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        if self._graph_pool is None:
+            self._graph_pool = torch.cuda.graph_pool_handle()
+        with torch.cuda.graph(graph, pool=self._graph_pool):
+            logits = self._step(kv_len)
+        for (s, w), (s0, w0) in zip(self.cache.gdn.values(), saved):
+            s.copy_(s0)
+            w.copy_(w0)
+        self._graphs[kv_len] = (graph, logits)

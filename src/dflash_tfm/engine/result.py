@@ -1,0 +1,47 @@
+"""What `Engine.generate` returns: tokens, text and the step statistics users and benchmarks read."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class GenerationStats:
+    """Counts and timings of one request.
+
+    verify_steps counts target forward steps after prefill (one per AR token; one per tree for speculative
+    modes), so accept_length = completion_tokens / verify_steps is tau.
+    """
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    verify_steps: int = 0
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    draft_seconds: float = 0.0
+    tree_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    commit_seconds: float = 0.0
+
+    @property
+    def accept_length(self) -> float:
+        return self.completion_tokens / self.verify_steps if self.verify_steps else 0.0
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        return self.completion_tokens / self.decode_seconds if self.decode_seconds > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["accept_length"] = self.accept_length
+        d["decode_tokens_per_second"] = self.decode_tokens_per_second
+        return d
+
+
+@dataclass
+class GenerationResult:
+    """token_ids are the completion only (prompt excluded); finish_reason is "stop" or "length"."""
+
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    stats: GenerationStats = field(default_factory=GenerationStats)

@@ -1,0 +1,92 @@
+"""Softmax attention layer with a static KV cache: plain (Llama/Qwen3) or gated (Qwen3.5/Qwen3-Next).
+
+Projections are fused into one `qkv_proj` matrix laid out [q rows | k rows | v rows]; for gated attention
+the q rows are the checkpoint's `q_proj` unchanged, i.e. per head [query (D) | gate (D)].
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dflash_tfm.config import ModelConfig
+from dflash_tfm.layers.norm import RMSNorm
+from dflash_tfm.layers.rotary import RotaryEmbedding
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.gated = cfg.attn_output_gate
+        self.q_size = cfg.num_heads * cfg.head_dim * (2 if self.gated else 1)
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = nn.Parameter(torch.empty(self.q_size + 2 * self.kv_size, cfg.hidden_size))
+        self.o_proj = nn.Parameter(torch.empty(cfg.hidden_size, cfg.num_heads * cfg.head_dim))
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.norm_plus_one) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.norm_plus_one) if cfg.qk_norm else None
+        self.scale = cfg.head_dim**-0.5
+
+    def project(
+        self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """x [B, T, hidden] -> q [B, T, H, D], k, v [B, T, Hkv, D] (normed, rotated) and the output gate."""
+        B, T, _ = x.shape
+        q, k, v = F.linear(x, self.qkv_proj).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        gate = None
+        if self.gated:
+            q, gate = q.view(B, T, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+            gate = gate.reshape(B, T, -1)
+        q = q.reshape(B, T, self.num_heads, self.head_dim)
+        k = k.view(B, T, self.num_kv_heads, self.head_dim)
+        v = v.view(B, T, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rope(q, k, positions)
+        return q, k, v, gate
+
+    def output(self, o: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+        """o [B, T, H, D] -> [B, T, hidden] through the sigmoid gate (if any) and o_proj."""
+        o = o.reshape(*o.shape[:2], -1)
+        if gate is not None:
+            o = o * torch.sigmoid(gate)
+        return F.linear(o, self.o_proj)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        rope: RotaryEmbedding,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        kv_len: int,
+    ) -> torch.Tensor:
+        """Causal attention of T new tokens at `positions` over cache slots [0, kv_len).
+
+        The new K/V are written into the cache at their positions first; keys beyond a query's position are
+        masked, so `kv_len` may be any static bound >= positions.max() + 1 (CUDA graphs use a bucket size).
+        k_cache / v_cache: [B, S, Hkv, D].
+        """
+        q, k, v, gate = self.project(x, positions, rope)
+        write_kv(k_cache, v_cache, positions, k, v)
+        o = causal_cache_attention(q, k_cache[:, :kv_len], v_cache[:, :kv_len], positions, self.scale)
+        return self.output(o, gate)
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Scatter k, v [B, T, Hkv, D] into the caches [B, S, Hkv, D] at `positions` [B, T] (graph-safe)."""
+    batch = torch.arange(k.shape[0], device=k.device).unsqueeze(1).expand_as(positions)
+    k_cache.index_put_((batch, positions), k.to(k_cache.dtype))
+    v_cache.index_put_((batch, positions), v.to(v_cache.dtype))
+
+
+def causal_cache_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """q [B, T, H, D] at `positions` [B, T]; k, v [B, S, Hkv, D] hold positions 0..S-1 -> [B, T, H, D]."""
+    S = k.shape[1]
+    mask = torch.arange(S, device=q.device).view(1, 1, 1, S) <= positions.unsqueeze(1).unsqueeze(-1)
+    o = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale, enable_gqa=True
+    )
+    return o.transpose(1, 2)

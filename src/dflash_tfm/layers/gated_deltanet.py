@@ -1,0 +1,74 @@
+"""Gated DeltaNet mixer (Qwen3.5 / Qwen3-Next linear-attention layers) with a recurrent state cache.
+
+The four input projections are fused into one `in_proj` matrix laid out [q | k | v | z | b | a] (loader's
+job), so the decode step does one GEMV. The recurrence per value head j (key head j // (HV/HK)):
+S <- e^g S;  u = beta (v - S^T k);  S <- S + k u^T;  o = S^T q  (q, k L2-normalised, q scaled dk^-0.5).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dflash_tfm.config import ModelConfig
+from dflash_tfm.kernels.gdn.decode import gdn_decode
+from dflash_tfm.kernels.gdn.prefill import gdn_prefill
+from dflash_tfm.layers.norm import gated_rms_norm
+from dflash_tfm.layers.short_conv import causal_conv1d
+
+
+def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """`x * rsqrt(sum x^2 + eps)` in fp32, the form transformers and fla use."""
+    xf = x.float()
+    return xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.hk, self.hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        self.dk, self.dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        self.key_dim, self.value_dim, self.conv_dim = cfg.gdn_key_dim, cfg.gdn_value_dim, cfg.gdn_conv_dim
+        self.eps = cfg.rms_norm_eps
+        self.in_proj = nn.Parameter(torch.empty(self.conv_dim + self.value_dim + 2 * self.hv, cfg.hidden_size))
+        self.conv_weight = nn.Parameter(torch.empty(self.conv_dim, cfg.linear_conv_kernel_dim))
+        self.A_log = nn.Parameter(torch.empty(self.hv))
+        self.dt_bias = nn.Parameter(torch.empty(self.hv))
+        self.norm_weight = nn.Parameter(torch.empty(self.dv))
+        self.out_proj = nn.Parameter(torch.empty(cfg.hidden_size, self.value_dim))
+
+    def gates(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [B, T, hidden] -> (conv input [B, T, conv_dim], z [B, T, HV, dv], beta, g [B, T, HV] fp32)."""
+        B, T, _ = x.shape
+        mixed, z, b, a = F.linear(x, self.in_proj).split([self.conv_dim, self.value_dim, self.hv, self.hv], dim=-1)
+        beta = torch.sigmoid(b).float()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        return mixed, z.reshape(B, T, self.hv, self.dv), beta, g
+
+    def split_heads(self, conv_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """conv output [B, T, conv_dim] -> q, k [B, T, HK, dk] (L2-normalised) and v [B, T, HV, dv]."""
+        B, T, _ = conv_out.shape
+        q, k, v = conv_out.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        dtype = conv_out.dtype
+        q = l2_normalize(q.reshape(B, T, self.hk, self.dk)).to(dtype)
+        k = l2_normalize(k.reshape(B, T, self.hk, self.dk)).to(dtype)
+        return q, k, v.reshape(B, T, self.hv, self.dv)
+
+    def output(self, o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """o, z [B, T, HV, dv] -> [B, T, hidden]."""
+        y = gated_rms_norm(o, z, self.norm_weight, self.eps)
+        return F.linear(y.reshape(*y.shape[:2], self.value_dim), self.out_proj)
+
+    def forward(self, x: torch.Tensor, state: torch.Tensor, conv_window: torch.Tensor) -> torch.Tensor:
+        """Advance the layer over T tokens: x [B, T, hidden]; state [B, HV, dk, dv] fp32 and conv_window
+        [B, conv_dim, K-1] are updated in place. T == 1 uses the fused decode kernel (CUDA-graph safe)."""
+        mixed, z, beta, g = self.gates(x)
+        conv_out, new_window = causal_conv1d(mixed, self.conv_weight, conv_window)
+        conv_window.copy_(new_window)
+        q, k, v = self.split_heads(conv_out)
+        if x.shape[1] == 1:
+            o = gdn_decode(q, k, v, g, beta, state)
+        else:
+            o, final_state = gdn_prefill(q, k, v, g, beta, state)
+            state.copy_(final_state)
+        return self.output(o, z)

@@ -1,0 +1,37 @@
+"""Rotary position embedding, rotate-half style, optionally on only the first `rotary_dim` dims."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RotaryEmbedding(nn.Module):
+    """Precomputed cos/sin tables indexed by absolute position (a device tensor, so CUDA graphs can replay).
+
+    Partial rotary (Qwen3.5: 64 of 256 dims) rotates the leading `rotary_dim` dims and passes the rest.
+    """
+
+    def __init__(self, head_dim: int, rotary_dim: int, theta: float, max_positions: int) -> None:
+        super().__init__()
+        if rotary_dim % 2 or rotary_dim > head_dim:
+            raise ValueError(f"rotary_dim {rotary_dim} must be even and <= head_dim {head_dim}")
+        self.rotary_dim = rotary_dim
+        inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim))
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos_table", emb.cos(), persistent=False)
+        self.register_buffer("sin_table", emb.sin(), persistent=False)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [B, T, H, D], k [B, T, Hkv, D], positions [B, T] long -> rotated (q, k)."""
+        cos = self.cos_table[positions].unsqueeze(2).to(q.dtype)
+        sin = self.sin_table[positions].unsqueeze(2).to(q.dtype)
+        return _rotate(q, cos, sin, self.rotary_dim), _rotate(k, cos, sin, self.rotary_dim)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int) -> torch.Tensor:
+    rot, passthrough = x[..., :rotary_dim], x[..., rotary_dim:]
+    half = rotary_dim // 2
+    rotated_half = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)
+    out = rot * cos + rotated_half * sin
+    return torch.cat((out, passthrough), dim=-1) if passthrough.shape[-1] else out

@@ -1,0 +1,81 @@
+"""The target decoder: embeddings -> N x (norm, mixer, norm, SwiGLU) -> norm -> lm_head.
+
+One class serves every supported architecture; each layer's mixer is softmax attention or Gated DeltaNet as
+`config.layer_types` says. The model owns no cache: callers pass a `ModelCache` (engine/cache.py) so the
+engine can keep static buffers and CUDA graphs.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dflash_tfm.config import FULL_ATTENTION, ModelConfig
+from dflash_tfm.layers.attention import Attention
+from dflash_tfm.layers.gated_deltanet import GatedDeltaNet
+from dflash_tfm.layers.mlp import SwiGLU
+from dflash_tfm.layers.norm import RMSNorm
+from dflash_tfm.layers.rotary import RotaryEmbedding
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_type: str) -> None:
+        super().__init__()
+        self.is_attention = layer_type == FULL_ATTENTION
+        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_plus_one)
+        self.mixer: Attention | GatedDeltaNet = Attention(cfg) if self.is_attention else GatedDeltaNet(cfg)
+        self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_plus_one)
+        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward_mlp(self, h: torch.Tensor) -> torch.Tensor:
+        return h + self.mlp(self.post_norm(h))
+
+
+class CausalLM(nn.Module):
+    """Target model for inference. Parameters are created empty; `loading.load_weights` fills them."""
+
+    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, t) for t in cfg.layer_types)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_plus_one)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size))
+        self.rope = RotaryEmbedding(cfg.head_dim, cfg.rotary_dim, cfg.rope_theta, max_positions)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.embed_tokens if self.lm_head is None else self.lm_head
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        cache: "ModelCache",  # noqa: F821 (engine/cache.py; kept out of the import graph of models)
+        kv_len: int,
+        tap_layers: tuple[int, ...] = (),
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Run T new tokens through the model, advancing the caches.
+
+        input_ids, positions [B, T]; kv_len bounds the attention keys read (static per CUDA graph).
+        Returns the final-normed hidden states [B, T, hidden] and the outputs of `tap_layers` (decoder layer
+        indices, as HF `hidden_states[i + 1]`) for the drafter.
+        """
+        h = F.embedding(input_ids, self.embed_tokens)
+        taps = []
+        for i, layer in enumerate(self.layers):
+            x = layer.input_norm(h)
+            if layer.is_attention:
+                k_cache, v_cache = cache.attention[i]
+                h = h + layer.mixer(x, positions, self.rope, k_cache, v_cache, kv_len)
+            else:
+                state, window = cache.gdn[i]
+                h = h + layer.mixer(x, state, window)
+            h = layer.forward_mlp(h)
+            if i in tap_layers:
+                taps.append(h)
+        return self.norm(h), taps
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final-normed hidden [..., hidden] -> fp32 logits [..., V]."""
+        return F.linear(hidden, self.lm_head_weight).float()

@@ -1,0 +1,24 @@
+"""Published model shapes, as HF-style config dicts, for real-scale timing with random weights."""
+from __future__ import annotations
+
+# Qwen3.6-27B text model (MODELS.md): 64 layers = 16 x (3 Gated DeltaNet + 1 gated attention).
+QWEN3_6_27B: dict = {
+    "model_type": "qwen3_5_text",
+    "hidden_size": 5120,
+    "num_hidden_layers": 64,
+    "full_attention_interval": 4,
+    "intermediate_size": 17408,
+    "vocab_size": 248320,
+    "num_attention_heads": 24,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25},
+    "linear_num_key_heads": 16,
+    "linear_num_value_heads": 48,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_conv_kernel_dim": 4,
+    "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 262144,
+    "tie_word_embeddings": False,
+}
