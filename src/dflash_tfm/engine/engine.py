@@ -150,6 +150,7 @@ class Engine:
         token = sample(logits.view(1, -1), params, generator)
         tok = int(token.item())
         stats.prefill_seconds = time.perf_counter() - t0
+        stats.verify_steps = 1  # the prefill forward produced the first token
         t0 = time.perf_counter()
         position = len(prompt_ids)
         while True:

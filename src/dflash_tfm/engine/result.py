@@ -8,8 +8,9 @@ from dataclasses import asdict, dataclass, field
 class GenerationStats:
     """Counts and timings of one request.
 
-    verify_steps counts target forward steps after prefill (one per AR token; one per tree for speculative
-    modes), so accept_length = completion_tokens / verify_steps is tau.
+    verify_steps counts the target forward passes that produced tokens: the prefill (which yields the first
+    token) plus one per decode step (one token in AR mode, one tree in speculative modes). So
+    accept_length = completion_tokens / verify_steps is tau, exactly 1 for autoregressive decoding.
     """
 
     prompt_tokens: int = 0

@@ -127,15 +127,15 @@ def load_target(
     cfg = ModelConfig.from_dict(raw_config)
     model = build_model(cfg, device, dtype, max_positions or cfg.max_position_embeddings)
     load_weights(model, source, cfg, progress=progress)
-    return LoadedTarget(model, cfg, load_tokenizer(resolved), resolved)
+    return LoadedTarget(model, cfg, load_tokenizer(source, resolved), resolved)
 
 
-def load_tokenizer(path: Path):
+def load_tokenizer(source: CheckpointSource, path: Path):
     """The checkpoint's own tokenizer and chat template, from local files only."""
-    if path.is_file():
-        from dflash_tfm.loading.gguf_file import load_gguf_tokenizer
+    from dflash_tfm.loading.gguf_file import GGUFCheckpoint, load_gguf_tokenizer
 
-        return load_gguf_tokenizer(path)
+    if isinstance(source, GGUFCheckpoint):
+        return load_gguf_tokenizer(source)
     from transformers import AutoTokenizer
 
     try:

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Everything that needs the GPU, in one call on the device machine (H200): GPU tests at real sizes, then
+# the benchmarks. Logs and JSON land in $OUT (default ./out); a short table is printed last.
+#   device run:  bash scripts/gpu_check.sh            (carry: .whl with fla-core and gguf wheels)
+# Set GPU_CHECK_PARTS to a subset of "tests kernels tree ar" to run only those parts.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-out}; mkdir -p "$OUT"
+PARTS=${GPU_CHECK_PARTS:-"tests kernels tree ar"}
+export PYTHONUNBUFFERED=1
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site:src
+else
+  export PYTHONPATH=src
+fi
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv > "$OUT/nvidia_smi.csv" 2>&1
+python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee "$OUT/versions.txt"
+status=0
+run() {  # name, command...
+  local name=$1; shift
+  echo "=== $name: $*"
+  local t0=$SECONDS
+  "$@" 2>&1 | tee "$OUT/$name.log"
+  local rc=${PIPESTATUS[0]}
+  echo "=== $name rc=$rc in $((SECONDS - t0)) s" | tee -a "$OUT/summary.txt"
+  [ "$rc" = 0 ] || status=1
+}
+[[ $PARTS == *tests* ]] && run gpu_tests python3 -m pytest -q -m gpu -p no:cacheprovider tests
+[[ $PARTS == *kernels* ]] && run bench_gdn_decode python3 benchmarks/bench_gdn_decode.py
+[[ $PARTS == *tree* ]] && run bench_tree_kernels python3 benchmarks/bench_tree_kernels.py
+[[ $PARTS == *ar* ]] && run bench_ar_decode python3 benchmarks/bench_ar_decode.py --out "$OUT/ar_decode.json"
+echo; cat "$OUT/summary.txt"
+exit $status
