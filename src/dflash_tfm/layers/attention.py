@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash_tfm.config import ModelConfig
+from dflash_tfm.kernels.attention.tree_attention import compact_accepted_kv, tree_attention
 from dflash_tfm.layers.norm import RMSNorm
 from dflash_tfm.layers.rotary import RotaryEmbedding
 
@@ -71,6 +72,33 @@ class Attention(nn.Module):
         write_kv(k_cache, v_cache, positions, k, v)
         o = causal_cache_attention(q, k_cache[:, :kv_len], v_cache[:, :kv_len], positions, self.scale)
         return self.output(o, gate)
+
+
+    def verify(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        rope: RotaryEmbedding,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        cache_len: int,
+        ancestors: torch.Tensor,
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """Tree nodes x [B, N, hidden] at `positions` (L + depth) attend to the L cached keys plus their
+        ancestors-and-self (`ancestors` bitsets [B, N, W]). The cache is only read; the nodes' K/V are
+        returned for `commit`."""
+        q, k, v, gate = self.project(x, positions, rope)
+        o = tree_attention(q, k_cache, v_cache, cache_len, k, v, ancestors, self.scale)
+        return self.output(o, gate), (k, v)
+
+    @staticmethod
+    def commit(
+        k_cache: torch.Tensor, v_cache: torch.Tensor, cache_len: int, saved: tuple[torch.Tensor, torch.Tensor],
+        path_indices: torch.Tensor,
+    ) -> None:
+        """Write the accepted path's K/V (root first, -1 padded) into cache slots L .. L+a."""
+        k, v = saved
+        compact_accepted_kv(k_cache, v_cache, cache_len, k, v, path_indices)
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:

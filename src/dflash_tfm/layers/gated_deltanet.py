@@ -11,8 +11,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash_tfm.config import ModelConfig
+from dflash_tfm.kernels.conv.tree_conv import tree_causal_conv1d, tree_conv_commit
 from dflash_tfm.kernels.gdn.decode import gdn_decode
 from dflash_tfm.kernels.gdn.prefill import gdn_prefill
+from dflash_tfm.kernels.gdn.tree_commit import gdn_tree_commit
+from dflash_tfm.kernels.gdn.tree_reference import GDNTreeContext
+from dflash_tfm.kernels.gdn.tree_verify import gdn_tree_verify
 from dflash_tfm.layers.norm import gated_rms_norm
 from dflash_tfm.layers.short_conv import causal_conv1d
 
@@ -72,3 +76,31 @@ class GatedDeltaNet(nn.Module):
             o, final_state = gdn_prefill(q, k, v, g, beta, state)
             state.copy_(final_state)
         return self.output(o, z)
+
+    def verify(
+        self,
+        x: torch.Tensor,
+        state: torch.Tensor,
+        conv_window: torch.Tensor,
+        parents: torch.Tensor,
+        ancestors: torch.Tensor,
+        kernel: str = "chunk",
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, GDNTreeContext]]:
+        """Outputs of all tree nodes x [B, N, hidden] (parents [B, N], shared ancestor bitsets) from the
+        committed state and conv window, which are only read. Returns what `commit` needs."""
+        mixed, z, beta, g = self.gates(x)
+        conv_out = tree_causal_conv1d(mixed, self.conv_weight, parents, conv_window)
+        q, k, v = self.split_heads(conv_out)
+        o, ctx = gdn_tree_verify(q, k, v, g, beta, parents, state, kernel=kernel, ancestors=ancestors)
+        return self.output(o, z), (mixed, ctx)
+
+    @staticmethod
+    def commit(
+        state: torch.Tensor, conv_window: torch.Tensor, saved: tuple[torch.Tensor, GDNTreeContext],
+        parents: torch.Tensor, accepted: torch.Tensor,
+    ) -> None:
+        """Advance state and conv window along the accepted path only (accepted [B, N] bool, root included)."""
+        mixed, ctx = saved
+        new_window = tree_conv_commit(mixed, parents, accepted, conv_window)
+        state.copy_(gdn_tree_commit(ctx, accepted))
+        conv_window.copy_(new_window)

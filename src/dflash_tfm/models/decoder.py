@@ -16,6 +16,7 @@ from dflash_tfm.layers.gated_deltanet import GatedDeltaNet
 from dflash_tfm.layers.mlp import SwiGLU
 from dflash_tfm.layers.norm import RMSNorm
 from dflash_tfm.layers.rotary import RotaryEmbedding
+from dflash_tfm.spec.tree import TreeSpec
 
 
 class DecoderLayer(nn.Module):
@@ -75,6 +76,47 @@ class CausalLM(nn.Module):
             if i in tap_layers:
                 taps.append(h)
         return self.norm(h), taps
+
+    def verify(
+        self,
+        tree: TreeSpec,
+        cache: "ModelCache",  # noqa: F821
+        cache_len: int,
+        tap_layers: tuple[int, ...] = (),
+        gdn_kernel: str = "chunk",
+    ) -> tuple[torch.Tensor, list[torch.Tensor], dict[int, object]]:
+        """One forward over all tree nodes (tree tensors [B, N]) hanging below the committed prefix of
+        length `cache_len`. No cache is written. Returns final-normed hidden [B, N, hidden], the tap
+        layers' outputs for every node, and per-layer data for `commit`."""
+        h = F.embedding(tree.tokens, self.embed_tokens)
+        taps, saved = [], {}
+        for i, layer in enumerate(self.layers):
+            x = layer.input_norm(h)
+            if layer.is_attention:
+                k_cache, v_cache = cache.attention[i]
+                out, saved[i] = layer.mixer.verify(x, tree.positions, self.rope, k_cache, v_cache, cache_len, tree.ancestors)
+            else:
+                state, window = cache.gdn[i]
+                out, saved[i] = layer.mixer.verify(x, state, window, tree.parents, tree.ancestors, gdn_kernel)
+            h = layer.forward_mlp(h + out)
+            if i in tap_layers:
+                taps.append(h)
+        return self.norm(h), taps, saved
+
+    def commit(
+        self, cache: "ModelCache", cache_len: int, tree: TreeSpec, saved: dict[int, object],  # noqa: F821
+        accepted: torch.Tensor, path_indices: torch.Tensor,
+    ) -> None:
+        """Commit the accepted root->node path of the last `verify`: accepted [B, N] bool (root included),
+        path_indices [B, M] the same nodes in order, -1 padded. Afterwards the caches hold the prefix plus
+        the path at positions cache_len .. cache_len + a, as if the path had been decoded token by token."""
+        for i, layer in enumerate(self.layers):
+            if layer.is_attention:
+                k_cache, v_cache = cache.attention[i]
+                layer.mixer.commit(k_cache, v_cache, cache_len, saved[i], path_indices)
+            else:
+                state, window = cache.gdn[i]
+                layer.mixer.commit(state, window, saved[i], tree.parents, accepted)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final-normed hidden [..., hidden] -> fp32 logits [..., V]."""
