@@ -68,7 +68,7 @@ def bench_ours(cfg: ModelConfig, contexts: list[int], iters: int) -> tuple[dict,
         prompt = torch.randint(0, cfg.vocab_size, (ctx,), device="cuda")
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        logits = runner.prefill(prompt)
+        logits, _ = runner.prefill(prompt)
         torch.cuda.synchronize()
         prefill_s = time.perf_counter() - t0
         token = logits.argmax().view(1)

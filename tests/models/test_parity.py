@@ -60,7 +60,7 @@ def test_chunked_prefill_then_decode_match_transformers(target):
     ref = hf_logits(hf_model, ids)
     runner = ModelRunner(model, max_len=256, device=torch.device("cpu"), use_cuda_graph=False, prefill_chunk=48)
     runner.reset()
-    last = runner.prefill(ids[:80])
+    last, _ = runner.prefill(ids[:80])
     assert rel_err(last, ref[79]) <= 1e-4
     for t in range(80, 100):
         logits = runner.decode(ids[t : t + 1], position=t)
@@ -76,4 +76,4 @@ def test_reset_starts_a_fresh_sequence(target):
     runner.reset()
     runner.prefill(first)
     runner.reset()
-    assert rel_err(runner.prefill(second), hf_logits(hf_model, second)[-1]) <= 1e-4
+    assert rel_err(runner.prefill(second)[0], hf_logits(hf_model, second)[-1]) <= 1e-4

@@ -50,7 +50,7 @@ def path_to(parents: torch.Tensor, node: int) -> list[int]:
 def plain_logits(model, prompt: torch.Tensor, continuation: list[int]) -> torch.Tensor:
     runner = ModelRunner(model, max_len=128, device=torch.device("cpu"), use_cuda_graph=False)
     runner.reset()
-    return runner.prefill(torch.cat([prompt, torch.tensor(continuation, dtype=torch.long)]))
+    return runner.prefill(torch.cat([prompt, torch.tensor(continuation, dtype=torch.long)]))[0]
 
 
 def snapshot(cache) -> list[torch.Tensor]:

@@ -17,7 +17,8 @@ import torch
 from dflash_tfm.engine.detokenizer import IncrementalDetokenizer
 from dflash_tfm.engine.model_runner import ModelRunner
 from dflash_tfm.engine.result import GenerationResult, GenerationStats
-from dflash_tfm.engine.sampler import make_generator, sample
+from dflash_tfm.engine.autoregressive import AutoregressiveDecoder
+from dflash_tfm.engine.sampler import make_generator
 from dflash_tfm.loading.loader import load_target, parse_dtype
 from dflash_tfm.sampling_params import SamplingParams
 
@@ -80,6 +81,7 @@ class Engine:
                 f"max_model_len must be in [2, {self.config.max_position_embeddings}], got {self.max_model_len}"
             )
         self.runner = ModelRunner(loaded.model, self.max_model_len, self.device, use_cuda_graph=use_cuda_graph)
+        self.decoder = AutoregressiveDecoder(self.runner)
         self.eos_token_ids = set(self.config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(int(self.tokenizer.eos_token_id))
@@ -144,30 +146,26 @@ class Engine:
         generator = make_generator(params, self.device)
         detok = IncrementalDetokenizer(self.tokenizer, params.stop)
 
-        self.runner.reset()
         t0 = time.perf_counter()
-        logits = self.runner.prefill(torch.tensor(prompt_ids, dtype=torch.long))
-        token = sample(logits.view(1, -1), params, generator)
-        tok = int(token.item())
+        pending = [self.decoder.prefill(prompt_ids, params, generator)]
         stats.prefill_seconds = time.perf_counter() - t0
         stats.verify_steps = 1  # the prefill forward produced the first token
         t0 = time.perf_counter()
-        position = len(prompt_ids)
         while True:
-            stats.completion_tokens += 1
-            text, stopped_by_string = detok.push(tok)
-            finish = None
-            if tok in stop_ids or stopped_by_string:
-                finish = "stop"
-            elif stats.completion_tokens >= budget:
-                finish = "length"
-            if finish:
-                stats.decode_seconds = time.perf_counter() - t0
-                yield StreamDelta([tok], text + detok.flush(), finish, stats)
-                return
-            yield StreamDelta([tok], text, None, stats)
-            logits = self.runner.decode(token, position)
+            for tok in pending:
+                stats.completion_tokens += 1
+                text, stopped_by_string = detok.push(tok)
+                finish = None
+                if tok in stop_ids or stopped_by_string:
+                    finish = "stop"
+                elif stats.completion_tokens >= budget:
+                    finish = "length"
+                if finish:
+                    stats.decode_seconds = time.perf_counter() - t0
+                    for phase, seconds in self.decoder.phase_seconds().items():
+                        setattr(stats, f"{phase}_seconds", seconds)
+                    yield StreamDelta([tok], text + detok.flush(), finish, stats)
+                    return
+                yield StreamDelta([tok], text, None, stats)
+            pending = self.decoder.step(params, generator)
             stats.verify_steps += 1
-            position += 1
-            token = sample(logits, params, generator)
-            tok = int(token.item())

@@ -7,6 +7,8 @@ entire step with no host work but copying the token and position into static buf
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from dflash_tfm.engine.cache import ModelCache
@@ -36,8 +38,16 @@ class ModelRunner:
         self.cache.reset()
 
     @torch.inference_mode()
-    def prefill(self, token_ids: torch.Tensor, start: int = 0) -> torch.Tensor:
-        """Feed token_ids [T] at positions start.. (chunked); returns fp32 logits [V] of the last token."""
+    def prefill(
+        self, token_ids: torch.Tensor, start: int = 0, tap_layers: tuple[int, ...] = (),
+        on_taps: Callable[[list[torch.Tensor], int], None] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Feed token_ids [T] at positions start.. in chunks.
+
+        Returns fp32 logits [V] and the final-normed hidden state [hidden] of the last token. With
+        `tap_layers`, `on_taps(taps, chunk_start)` receives each chunk's tap-layer outputs ([1, t, hidden]
+        each) as soon as it is computed, so the drafter's context never needs the whole prompt's taps.
+        """
         T = token_ids.shape[0]
         if start + T > self.max_len:
             raise ValueError(f"{start + T} tokens exceed the engine's max length {self.max_len}")
@@ -46,8 +56,11 @@ class ModelRunner:
         for s in range(0, T, self.prefill_chunk):
             e = min(T, s + self.prefill_chunk)
             positions = torch.arange(start + s, start + e, device=self.device).view(1, -1)
-            hidden, _ = self.model(ids[:, s:e], positions, self.cache, kv_len=start + e)
-        return self.model.logits(hidden[0, -1])
+            hidden, taps = self.model(ids[:, s:e], positions, self.cache, kv_len=start + e, tap_layers=tap_layers)
+            if on_taps is not None:
+                on_taps(taps, start + s)
+        last = hidden[0, -1]
+        return self.model.logits(last), last
 
     def bucket(self, position: int) -> int:
         """Smallest power-of-two key length (>= MIN_BUCKET, <= max_len) covering `position`."""

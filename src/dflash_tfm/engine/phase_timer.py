@@ -1,0 +1,44 @@
+"""Per-phase step timings (draft / tree / verify / commit) without a host sync inside the step.
+
+On CUDA each phase is bracketed by events and the elapsed times are read once, when the request ends;
+on the CPU the wall clock is exact because execution is synchronous.
+"""
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+from typing import Iterator
+
+import torch
+
+
+class PhaseTimer:
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self._events: dict[str, list[tuple[torch.cuda.Event, torch.cuda.Event]]] = defaultdict(list)
+        self._seconds: dict[str, float] = defaultdict(float)
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+            self._events[name].append((start, end))
+        else:
+            t0 = time.perf_counter()
+            yield
+            self._seconds[name] += time.perf_counter() - t0
+
+    def collect(self) -> dict[str, float]:
+        """Seconds per phase since the last collect (synchronises with the recorded events once)."""
+        for name, pairs in self._events.items():
+            for start, end in pairs:
+                end.synchronize()
+                self._seconds[name] += start.elapsed_time(end) / 1e3
+        self._events.clear()
+        out = dict(self._seconds)
+        self._seconds.clear()
+        return out

@@ -1,0 +1,54 @@
+"""Lossless acceptance of a verified proposal tree (target-only tree sampling, KERNELS.md).
+
+At node n the target's token x_n is drawn from p_n (argmax when greedy); if a child of n carries x_n we
+descend, else x_n is the bonus token and the step ends. Every visited node's draw is a fresh draw from the
+target, so the emitted sequence is distributed exactly as plain target sampling whatever the tree is.
+Draws are made for all nodes at once (unvisited ones are simply ignored) so the walk is a few tensor ops
+with no host synchronisation.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dflash_tfm.engine.sampler import processed_probs
+from dflash_tfm.sampling_params import SamplingParams
+
+
+@dataclass
+class Acceptance:
+    """accepted [N] bool (root included); path [max_depth + 1] node indices root first, -1 padded;
+    last: the deepest accepted node (0-dim); bonus: the target's token drawn there (0-dim)."""
+
+    accepted: torch.Tensor
+    path: torch.Tensor
+    last: torch.Tensor
+    bonus: torch.Tensor
+
+
+def target_draws(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
+    """One target token per node: logits [N, V] fp32 -> [N] (argmax if greedy, else a sample of p_n)."""
+    if params.greedy:
+        return logits.argmax(dim=-1)
+    return torch.multinomial(processed_probs(logits, params), 1, generator=generator).squeeze(-1)
+
+
+def accept_tree(
+    tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor, ancestors: torch.Tensor,
+    draws: torch.Tensor, max_depth: int,
+) -> Acceptance:
+    """Walk the tree along the target's draws.
+
+    tokens, parents, depths, draws [N]; ancestors [N, N] bool inclusive ancestor mask. Siblings carry
+    distinct tokens, so at most one child matches a draw and the accepted nodes form a root path.
+    """
+    N = tokens.shape[0]
+    parent_draw = draws[parents.clamp(min=0)]
+    match = (tokens == parent_draw) | (parents < 0)
+    accepted = ~(ancestors & ~match.unsqueeze(0)).any(dim=-1)
+    last = torch.where(accepted, depths, torch.full_like(depths, -1)).argmax()
+    slot = torch.where(accepted, depths, torch.full_like(depths, max_depth + 1))
+    path = torch.full((max_depth + 2,), -1, dtype=torch.long, device=tokens.device)
+    path.scatter_(0, slot, torch.arange(N, device=tokens.device))
+    return Acceptance(accepted=accepted, path=path[: max_depth + 1], last=last, bonus=draws[last])
