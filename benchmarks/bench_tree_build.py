@@ -1,0 +1,110 @@
+"""Time proposal-tree building (step 2 of a decode step) at Qwen3.6-27B shapes on one GPU (a script, not a test).
+
+DDTREE (best-first over the DFlash marginals) and the Weaver tree (published Weaver shape: d_model 5120,
+d_rank 2048, 16 heads, mlp 2048, 1 block, K 15, pool 512, variant 1; random weights) over a 248320-token
+vocabulary, eager and captured in a CUDA graph. The Weaver time covers the whole step-2 work: top-512 candidate
+pools, the 16-row prefix encode and every batched expansion round. The target only contributes its embedding and
+lm_head, so a light stand-in with random [248320, 5120] bf16 tensors replaces the 27B model.
+Prints a markdown table of median milliseconds (CUDA events, after warm-up).
+
+    python benchmarks/bench_tree_build.py [--budgets 16 64 128] [--reps 50]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+from dflash_tfm.config import ModelConfig
+from dflash_tfm.spec.chain import build_chain
+from dflash_tfm.spec.ddtree import build_ddtree
+from dflash_tfm.spec.weaver import load_weaver
+from dflash_tfm.spec.weaver_fixtures import write_random_weaver_checkpoint
+from dflash_tfm.spec.weaver_tree import build_weaver_tree, round_width
+
+VOCAB, HIDDEN, BLOCK = 248320, 5120, 16
+K = BLOCK - 1
+
+
+def median_ms(fn: Callable[[], object], reps: int) -> float:
+    """Median of ``reps`` CUDA-event timings of ``fn`` after 5 warm-up calls."""
+    for _ in range(5):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def capture(fn: Callable[[], object]) -> torch.cuda.CUDAGraph:
+    """Capture ``fn`` (warmed up on a side stream first, as CUDA graphs require)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--budgets", type=int, nargs="+", default=[16, 64, 128])
+    parser.add_argument("--reps", type=int, default=50)
+    parser.add_argument("--variant", type=int, default=1, choices=(1, 2, 3))
+    args = parser.parse_args()
+    device, dtype = torch.device("cuda"), torch.bfloat16
+    torch.manual_seed(0)
+
+    target = SimpleNamespace(
+        embed_tokens=torch.randn(VOCAB, HIDDEN, device=device, dtype=dtype) * 0.02,
+        lm_head_weight=torch.randn(VOCAB, HIDDEN, device=device, dtype=dtype) / HIDDEN**0.5,
+    )
+    target_cfg = ModelConfig.from_dict(dict(model_type="llama", vocab_size=VOCAB, hidden_size=HIDDEN,
+                                            intermediate_size=17408, num_hidden_layers=1, num_attention_heads=40))
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "weaver.pth"
+        write_random_weaver_checkpoint(path, target_cfg, variant=args.variant, d_rank=2048, num_heads=16,
+                                       mlp_dim=2048, num_layers=1, K=K, pool=512)
+        weaver = load_weaver(path, target, target_cfg, BLOCK, device, dtype)
+
+    root = torch.tensor(1234, device=device)
+    logits = torch.randn(K, VOCAB, device=device) * 4.0  # peaked enough for deep best-first trees
+    h_dflash = torch.randn(K, HIDDEN, device=device, dtype=dtype)
+    h_target = torch.randn(HIDDEN, device=device, dtype=dtype)
+
+    builders: list[tuple[str, int, Callable[[], object]]] = [("chain", K, lambda: build_chain(root, logits))]
+    for budget in args.budgets:
+        builders.append(("ddtree", budget, lambda b=budget: build_ddtree(root, logits, b)))
+        builders.append(("weaver", budget, lambda b=budget: build_weaver_tree(weaver, root, logits, h_dflash, h_target, b)))
+
+    print(f"tree build on {torch.cuda.get_device_name()}, vocab {VOCAB}, K {K}, Weaver variant {args.variant} "
+          f"(d_rank 2048, 16 heads, mlp 2048, 1 block, pool 512), bf16 Weaver, fp32 logits; median of {args.reps}\n")
+    print("| builder | budget | Weaver rounds × width | eager ms | CUDA graph ms |")
+    print("|---|---:|---:|---:|---:|")
+    for name, budget, fn in builders:
+        eager = median_ms(fn, args.reps)
+        try:
+            replay = f"{median_ms(capture(fn).replay, args.reps):.3f}"
+        except RuntimeError as e:  # report, and keep timing the other builders
+            replay = f"capture failed: {str(e).splitlines()[0][:60]}"
+        width = round_width(budget, 8)
+        rounds = f"{-(-budget // width)} × {width}" if name == "weaver" else "—"
+        print(f"| {name} | {budget} | {rounds} | {eager:.3f} | {replay} |")
+
+
+if __name__ == "__main__":
+    main()

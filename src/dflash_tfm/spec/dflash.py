@@ -1,0 +1,337 @@
+"""DFlash block drafter (z-lab format) for batch-1 inference, with a static context K/V cache.
+
+One `draft` runs the block `[root, MASK x (B-1)]` at positions L .. L+B-1 through every layer in a single
+pass and returns, for block positions 1 .. B-1, the target lm_head's logits and the final-normed hidden state
+(position k predicts token L+k).
+
+What the reference does with the context (z-lab/dflash `model/dflash.py` and `dflash/model.py`,
+`Qwen3DFlashAttention.forward`; SGLang `python/sglang/srt/models/dflash.py`, `DFlashAttention.kv_proj_only`
+applied to `project_target_hidden`):
+  * ctx = hidden_norm(fc(concat(taps))) is computed ONCE and handed unchanged to every layer; each layer's
+    context K/V are that layer's own k_proj / v_proj of the SAME ctx (never the previous layer's output);
+  * input_layernorm is applied to the block's hidden states only, NOT to ctx (ctx is already hidden_norm'ed);
+  * keys of ctx and block both get k_norm, then RoPE at their absolute positions; values are not normed;
+  * queries come from the block only; after a draft the cache is cropped back to the context.
+Hence the context K/V of a token never change once computed, and only they are cached here.
+
+Masks follow the reference's rule over absolute positions q (query) and p (key): full-attention layers see
+every context key and the whole block; sliding layers see keys with q - p < W, and inside the block either
+everything with |q - p| < W (non-causal) or p <= q (causal, `causal_sliding_in_block`). The block's own K/V
+are written into the cache at slots L .. L+B-1 as scratch (the next `append_context` overwrites them), so a
+draft reads one contiguous cache slice (full layers) or one gathered window (sliding layers) with static
+shapes and no host sync: `position` may be a device tensor and the whole step can be captured in a CUDA graph.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dflash_tfm.config import ModelConfig
+from dflash_tfm.layers.attention import write_kv
+from dflash_tfm.layers.mlp import SwiGLU
+from dflash_tfm.layers.norm import RMSNorm
+from dflash_tfm.layers.rotary import RotaryEmbedding
+from dflash_tfm.loading.errors import CheckpointError, CheckpointNotFoundError
+from dflash_tfm.loading.loader import _default_dtype
+from dflash_tfm.loading.safetensors_dir import SafetensorsDir
+from dflash_tfm.loading.weight_map import Piece, TensorSpec
+from dflash_tfm.spec.dflash_config import SLIDING_ATTENTION, DFlashConfig, load_dflash_config
+
+
+class TokenHeads(Protocol):
+    """What the drafter borrows from the target: `embed_tokens [V, H]` and `lm_head_weight [V, H]`."""
+
+    embed_tokens: torch.Tensor
+    lm_head_weight: torch.Tensor
+
+
+class DFlashLayer(nn.Module):
+    """One Qwen3-style drafter layer (plain-w RMSNorms, q/k norm, SwiGLU); q|k|v and gate|up are fused."""
+
+    def __init__(self, cfg: DFlashConfig, layer_type: str) -> None:
+        super().__init__()
+        H, D = cfg.hidden_size, cfg.head_dim
+        self.sliding = layer_type == SLIDING_ATTENTION
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, D
+        self.q_size, self.kv_size = cfg.num_heads * D, cfg.num_kv_heads * D
+        self.input_norm = RMSNorm(H, cfg.rms_norm_eps)
+        self.qkv_proj = nn.Parameter(torch.empty(self.q_size + 2 * self.kv_size, H))
+        self.q_norm = RMSNorm(D, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(D, cfg.rms_norm_eps)
+        self.o_proj = nn.Parameter(torch.empty(H, self.q_size))
+        self.post_norm = RMSNorm(H, cfg.rms_norm_eps)
+        self.mlp = SwiGLU(H, cfg.intermediate_size)
+        self.scale = D**-0.5
+
+    def context_kv(
+        self, ctx: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """ctx [1, T, H] (hidden_norm(fc(taps)), no input norm) at positions [1, T] -> k, v [1, T, Hkv, D]."""
+        B, T, _ = ctx.shape
+        k, v = F.linear(ctx, self.qkv_proj[self.q_size :]).split(self.kv_size, dim=-1)
+        k = self.k_norm(k.view(B, T, self.num_kv_heads, self.head_dim))
+        _, k = rope(k, k, positions)  # RotaryEmbedding rotates a (q, k) pair; the context has no queries
+        return k, v.view(B, T, self.num_kv_heads, self.head_dim)
+
+    def forward(
+        self,
+        h: torch.Tensor,
+        positions: torch.Tensor,
+        rope: RotaryEmbedding,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slots: int | torch.Tensor,
+        mask: torch.Tensor,
+    ) -> torch.Tensor:
+        """Block h [1, B, H] at positions [1, B] -> [1, B, H].
+
+        The block's K/V are written to the cache [1, S, Hkv, D] at their positions, then the queries attend to
+        cache slots `slots` (an int n: slots 0..n-1; a tensor: those slot indices) under `mask` [1, 1, G*B, n]
+        (the block mask repeated for the G query heads of a kv head, see `grouped_attention`).
+        """
+        batch, T, _ = h.shape
+        x = self.input_norm(h)
+        q, k, v = F.linear(x, self.qkv_proj).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = self.q_norm(q.view(batch, T, self.num_heads, self.head_dim))
+        k = self.k_norm(k.view(batch, T, self.num_kv_heads, self.head_dim))
+        q, k = rope(q, k, positions)
+        write_kv(k_cache, v_cache, positions, k, v.view(batch, T, self.num_kv_heads, self.head_dim))
+        if isinstance(slots, int):
+            keys, values = k_cache[:, :slots], v_cache[:, :slots]
+        else:
+            keys, values = k_cache.index_select(1, slots), v_cache.index_select(1, slots)
+        o = grouped_attention(q, keys, values, mask, self.scale)
+        h = h + F.linear(o, self.o_proj)
+        return h + self.mlp(self.post_norm(h))
+
+
+def grouped_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """q [b, T, Hq, D]; k, v [b, S, Hkv, D]; mask [1, 1, G*T, S] with G = Hq / Hkv -> [b, T, Hq*D].
+
+    The G query heads sharing a kv head are stacked along the query axis, so SDPA sees plain attention with
+    Hkv heads and G*T queries: no K/V repeat, and every SDPA backend that takes a mask applies.
+    """
+    b, T, Hq, D = q.shape
+    Hkv = k.shape[2]
+    G = Hq // Hkv
+    qg = q.view(b, T, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(b, Hkv, G * T, D)
+    o = F.scaled_dot_product_attention(qg, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale)
+    return o.view(b, Hkv, G, T, D).permute(0, 3, 1, 2, 4).reshape(b, T, Hq * D)
+
+
+def attention_mask(
+    qpos: torch.Tensor, kpos: torch.Tensor, window: int | None, causal: bool
+) -> torch.Tensor:
+    """Which keys each block query sees: qpos [B] and kpos [S] absolute positions -> bool [1, 1, B, S].
+
+    Keys must exist (kpos >= 0) and lie before the block's end (later slots are stale); sliding layers add
+    q - p < W, and p - q < W too unless causal; `causal` adds p <= q.
+    """
+    d = qpos.view(-1, 1) - kpos.view(1, -1)
+    visible = ((kpos >= 0) & (kpos <= qpos[-1])).view(1, -1).expand_as(d)
+    if causal:
+        visible = visible & (d >= 0)
+    if window is not None:
+        visible = visible & (d < window) & (-d < window)
+    return visible.view(1, 1, *d.shape)
+
+
+class DFlashDrafter(nn.Module):
+    """The drafter's own weights plus references to the target's embeddings and lm_head (never copied).
+
+    Parameters live on the device and in the dtype of the target's `embed_tokens`; `loading` fills them
+    (`load_dflash_drafter`) or `init_random_` does. Context K/V caches are `[1, max_len, Hkv, D]` per layer.
+    """
+
+    def __init__(self, cfg: DFlashConfig, target: TokenHeads, max_len: int | None = None) -> None:
+        super().__init__()
+        self.config = cfg
+        embed = target.embed_tokens
+        # A plain tuple keeps the shared tensors out of this module's parameters and state_dict.
+        self._shared = (embed, target.lm_head_weight)
+        self.device, self.dtype = embed.device, embed.dtype
+        with torch.device(self.device), _default_dtype(self.dtype):
+            self.fc = nn.Parameter(torch.empty(cfg.hidden_size, cfg.num_taps * cfg.hidden_size))
+            self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.layers = nn.ModuleList(DFlashLayer(cfg, t) for t in cfg.layer_types)
+            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        B = cfg.block_size
+        self.register_buffer("_mask_ids", torch.full((B - 1,), cfg.mask_token_id, device=self.device), persistent=False)
+        self.register_buffer("_block_offsets", torch.arange(B, device=self.device), persistent=False)
+        self.requires_grad_(False).eval()
+        self.max_len = 0
+        self.caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        if max_len:
+            self.allocate(max_len)
+
+    @property
+    def embed_tokens(self) -> torch.Tensor:
+        return self._shared[0]
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self._shared[1]
+
+    def allocate(self, max_len: int, device: torch.device | str | None = None) -> None:
+        """(Re)allocate the static context caches and RoPE tables for positions 0 .. max_len-1 (context plus
+        the block being drafted). `device` defaults to the target's and must match it."""
+        if device is not None and torch.device(device).type != self.device.type:
+            raise ValueError(f"drafter caches must live with the target's embeddings on {self.device}, not {device}")
+        cfg = self.config
+        shape = (1, max_len, cfg.num_kv_heads, cfg.head_dim)
+        self.caches = [
+            (torch.zeros(shape, dtype=self.dtype, device=self.device), torch.zeros(shape, dtype=self.dtype, device=self.device))
+            for _ in self.layers
+        ]
+        self.rope = RotaryEmbedding(cfg.head_dim, cfg.head_dim, cfg.rope_theta, max_len).to(self.device)
+        self.register_buffer("_slots", torch.arange(max_len, device=self.device), persistent=False)
+        self.max_len = max_len
+
+    def reset(self) -> None:
+        """Start a new request. Not needed for correctness (a draft writes its block's slots before reading them
+        and masks every slot past the block); zeroing keeps masked slots finite, since a NaN there would
+        still poison SDPA's weighted sum."""
+        for k, v in self.caches:
+            k.zero_()
+            v.zero_()
+
+    def append_context(self, taps: list[torch.Tensor] | torch.Tensor, start: int | torch.Tensor) -> None:
+        """Cache the context K/V of T newly committed tokens at positions start .. start+T-1.
+
+        taps: the target's tap-layer outputs for those tokens, K tensors [1, T, H_target] in
+        `target_layer_ids` order, or their concatenation [1, T, K*H_target].
+        """
+        feats = taps if isinstance(taps, torch.Tensor) else torch.cat(taps, dim=-1)
+        T = feats.shape[1]
+        if feats.shape[-1] != self.fc.shape[1]:
+            raise ValueError(f"context features have width {feats.shape[-1]}, the drafter's fc expects {self.fc.shape[1]}")
+        if not self.caches:
+            raise RuntimeError("call allocate(max_len) before append_context")
+        if isinstance(start, int) and start + T > self.max_len:
+            raise ValueError(f"context positions up to {start + T - 1} exceed the drafter cache (max_len {self.max_len})")
+        ctx = self.hidden_norm(F.linear(feats.to(self.dtype), self.fc))
+        positions = (torch.arange(T, device=self.device) + start).view(1, T)
+        for layer, (k_cache, v_cache) in zip(self.layers, self.caches):
+            k, v = layer.context_kv(ctx, positions, self.rope)
+            write_kv(k_cache, v_cache, positions, k, v)
+
+    def draft(
+        self, root_token: torch.Tensor, position: int | torch.Tensor, kv_len: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One block draft: root_token [1] long (not yet in any cache) at `position` L, context [0, L) cached.
+
+        kv_len: static number of cache slots full-attention layers read (>= L + B; default max_len); fix it
+        per CUDA graph (e.g. a power-of-two bucket). Returns fp32 logits [1, B-1, V] and the final-normed
+        hidden states [1, B-1, H] of block positions 1 .. B-1.
+        """
+        B = self.config.block_size
+        kv_len = self.max_len if kv_len is None else kv_len
+        if not self.caches or kv_len > self.max_len:
+            raise ValueError(f"kv_len {kv_len} exceeds the allocated drafter cache (max_len {self.max_len})")
+        if isinstance(position, int) and position + B > kv_len:
+            raise ValueError(f"a block at position {position} needs kv_len >= {position + B}, got {kv_len}")
+        ids = torch.cat((root_token.view(1).to(self._mask_ids.dtype), self._mask_ids))
+        h = F.embedding(ids, self.embed_tokens).unsqueeze(0)
+        qpos = self._block_offsets + position  # [B]
+        keys = {sliding: self._key_set(qpos, kv_len, sliding) for sliding in {layer.sliding for layer in self.layers}}
+        for layer, (k_cache, v_cache) in zip(self.layers, self.caches):
+            h = layer(h, qpos.view(1, B), self.rope, k_cache, v_cache, *keys[layer.sliding])
+        hidden = self.norm(h)[:, 1:]
+        return F.linear(hidden, self.lm_head_weight).float(), hidden
+
+    def _key_set(self, qpos: torch.Tensor, kv_len: int, sliding: bool) -> tuple[int | torch.Tensor, torch.Tensor]:
+        """Cache slots a layer reads and their mask. Sliding layers gather only the W-1 context slots before
+        the block plus the block when that is fewer than kv_len (long contexts); otherwise read [0, kv_len)."""
+        cfg = self.config
+        window = cfg.sliding_window if sliding else None
+        causal = sliding and cfg.causal_sliding_in_block
+        groups = cfg.num_heads // cfg.num_kv_heads
+        if window is not None and window - 1 + cfg.block_size < kv_len:
+            kpos = qpos[0] - (window - 1) + self._slots[: window - 1 + cfg.block_size]
+            return kpos.clamp(min=0), attention_mask(qpos, kpos, window, causal).repeat(1, 1, groups, 1)
+        return kv_len, attention_mask(qpos, self._slots[:kv_len], window, causal).repeat(1, 1, groups, 1)
+
+
+def _to(param: str, row: int = 0) -> Callable[[torch.Tensor], list[Piece]]:
+    return lambda t: [(param, row, t)]
+
+
+def checkpoint_tensors(cfg: DFlashConfig) -> dict[str, TensorSpec]:
+    """Checkpoint tensor name (z-lab format, no prefix) -> expected shape and where it lands in our params."""
+    H, D, I = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    q, kv = cfg.num_heads * D, cfg.num_kv_heads * D
+    specs = {
+        "fc.weight": TensorSpec((H, cfg.num_taps * H), _to("fc")),
+        "hidden_norm.weight": TensorSpec((H,), _to("hidden_norm.weight")),
+        "norm.weight": TensorSpec((H,), _to("norm.weight")),
+    }
+    for i in range(cfg.num_layers):
+        src, dst = f"layers.{i}.", f"layers.{i}."
+        specs.update({
+            f"{src}self_attn.q_proj.weight": TensorSpec((q, H), _to(f"{dst}qkv_proj", 0)),
+            f"{src}self_attn.k_proj.weight": TensorSpec((kv, H), _to(f"{dst}qkv_proj", q)),
+            f"{src}self_attn.v_proj.weight": TensorSpec((kv, H), _to(f"{dst}qkv_proj", q + kv)),
+            f"{src}self_attn.o_proj.weight": TensorSpec((H, q), _to(f"{dst}o_proj")),
+            f"{src}self_attn.q_norm.weight": TensorSpec((D,), _to(f"{dst}q_norm.weight")),
+            f"{src}self_attn.k_norm.weight": TensorSpec((D,), _to(f"{dst}k_norm.weight")),
+            f"{src}mlp.gate_proj.weight": TensorSpec((I, H), _to(f"{dst}mlp.gate_up", 0)),
+            f"{src}mlp.up_proj.weight": TensorSpec((I, H), _to(f"{dst}mlp.gate_up", I)),
+            f"{src}mlp.down_proj.weight": TensorSpec((H, I), _to(f"{dst}mlp.down")),
+            f"{src}input_layernorm.weight": TensorSpec((H,), _to(f"{dst}input_norm.weight")),
+            f"{src}post_attention_layernorm.weight": TensorSpec((H,), _to(f"{dst}post_norm.weight")),
+        })
+    return specs
+
+
+def load_dflash_drafter(
+    path: str | Path,
+    target_model: TokenHeads,
+    target_cfg: ModelConfig,
+    device: torch.device | str,
+    dtype: torch.dtype,
+    max_len: int | None = None,
+    causal_sliding_in_block: bool | None = None,
+) -> DFlashDrafter:
+    """Load a z-lab DFlash drafter directory (config.json + safetensors) for `target_model`, strictly.
+
+    Every check runs on the config and the shard headers before a tensor is read: the drafter must fit the
+    target (`DFlashConfig.check_fits`) and the tensors must be exactly the expected set with the expected
+    shapes. The drafter runs in the target's dtype and on its device (`device`, `dtype` must agree).
+    """
+    cfg = load_dflash_config(path, causal_sliding_in_block)
+    try:
+        source = SafetensorsDir(path)
+    except FileNotFoundError as e:
+        raise CheckpointNotFoundError(f"DFlash drafter: {e}") from None
+    names = set(source.tensor_names())
+    fc_shape = source.tensor_shape("fc.weight") if "fc.weight" in names else ()
+    cfg.check_fits(target_cfg, fc_shape[1] if len(fc_shape) == 2 else None)
+    specs = checkpoint_tensors(cfg)
+    problems = []
+    for name in sorted(names):
+        found = list(source.tensor_shape(name))
+        if name not in specs:
+            problems.append(f"unexpected tensor {name!r} (shape {found})")
+        elif tuple(found) != specs[name].shape:
+            problems.append(f"tensor {name!r}: expected shape {list(specs[name].shape)}, found {found}")
+    problems += [f"missing tensor {n!r} (expected shape {list(specs[n].shape)})" for n in sorted(set(specs) - names)]
+    if problems:
+        raise CheckpointError(f"DFlash drafter checkpoint {path} does not match its config:\n  " + "\n  ".join(problems))
+    embed = target_model.embed_tokens
+    if embed.dtype != dtype or embed.device.type != torch.device(device).type:
+        raise ValueError(
+            f"the drafter runs with the target's embeddings ({embed.dtype} on {embed.device}); got {dtype} on {device}"
+        )
+    drafter = DFlashDrafter(cfg, target_model, max_len)
+    params = dict(drafter.named_parameters())
+    with torch.no_grad():
+        for name, spec in specs.items():
+            for param_name, row, piece in spec.assign(source.load_tensor(name, dtype)):
+                params[param_name][row : row + piece.shape[0]].copy_(piece)
+    return drafter

@@ -1,0 +1,118 @@
+"""DFLASH_TFM proposal tree: best-first growth where Weaver re-scores the DFlash candidates of every node.
+
+Per decode step (MODELS.md "Weaver", tree growth of the original): the candidate pool of depth k is the top
+``pool`` tokens of the DFlash logits at depth k. The root is expanded first; expanding a node at depth d scores
+its depth-(d + 1) pool with ``dflash_logit + W_res · out_norm(x_node)``, log-softmaxes over the pool and
+publishes its top ``children_per_node`` children to a frontier with score = parent score + child log-prob.
+Every round takes the W = ceil(budget / 16) best frontier entries, writes them as tree nodes and expands them
+together in ONE batched Weaver step, until budget + 1 nodes.
+
+Static layout (as in the original's frontier kernels): the frontier has ``children_per_node`` entries per node
+slot, entry ``slot · c + r`` = the r-th child of node ``slot``; a round picks entries by a stable descending sort,
+so equal scores go to the lowest entry index. Nodes at depth K publish nothing (−inf); the last round's nodes
+are not expanded. Everything is a fixed sequence of tensor ops on static shapes (the number of rounds and their
+widths depend on ``budget`` only): no host sync, CUDA-graph capturable.
+"""
+from __future__ import annotations
+
+import torch
+
+from dflash_tfm.spec.weaver import Weaver
+
+ROUND_UNIT = 16  # nodes per batched Weaver step = ceil(budget / 16)
+LOGPROB_FLOOR = -1e30  # keeps real children finite, so only consumed/impossible entries are −inf
+
+
+def round_width(budget: int, children: int) -> int:
+    """Nodes written per round: ceil(budget / 16), capped at the children one node publishes.
+
+    The cap only binds for budget > 16 · children (> 128 by default): the first round after the root can never
+    find more than ``children`` frontier entries, and unlike the original we do not emit masked padding nodes.
+    """
+    return max(1, min(-(-budget // ROUND_UNIT), children))
+
+
+def check_fillable(budget: int, width: int, children: int, max_depth: int) -> None:
+    """Raise ValueError unless every round is guaranteed ``width`` live frontier entries, whatever the scores.
+
+    Before a round with n nodes of which m sit at depth K, the frontier holds c·(n − m) − (n − 1) live entries
+    (every node of depth < K published c children; n − 1 of them became nodes). The worst case takes the largest
+    m possible: m nodes at depth K need ⌈m/c⌉ parents at depth K − 1 and a chain of K − 1 nodes above them.
+    Only tiny pools or very large budgets can fail.
+    """
+    n = 1
+    while n < budget + 1:
+        w = min(width, budget + 1 - n)
+        spare = n - max_depth + 1
+        m = spare - -(-spare // (children + 1)) if spare > 0 else 0
+        if children * (n - m) - (n - 1) < w:
+            raise ValueError(f"a tree of {budget + 1} nodes with {children} children per node and depth "
+                             f"<= {max_depth} cannot always be filled {width} nodes per round")
+        n += w
+
+
+@torch.no_grad()
+def build_weaver_tree(
+    weaver: Weaver, root_token: torch.Tensor, logits: torch.Tensor, h_dflash: torch.Tensor, h_target: torch.Tensor,
+    budget: int, pool_size: int | None = None, children_per_node: int = 8,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Grow a Weaver tree of ``budget`` nodes below ``root_token``.
+
+    logits [K, V] fp32 (row k − 1 = depth k); h_dflash [K, d_model]; h_target [d_model] (see
+    :meth:`Weaver.encode_prefix`). ``pool_size`` defaults to the checkpoint's ``candidate_pool_size`` and is
+    clamped to V. Returns tokens, parents, depths ``[budget + 1]`` long (node 0 = root, parent −1; parents
+    before children; distinct sibling tokens; depth ≤ K). The chain fallback for budget + 1 ≤ block size is
+    the caller's.
+    """
+    K, V = logits.shape
+    if K != weaver.config.K or h_dflash.shape[0] != K:
+        raise ValueError(f"Weaver expects K = {weaver.config.K} depths, got logits {tuple(logits.shape)} "
+                         f"and h_dflash {tuple(h_dflash.shape)}")
+    device, n = logits.device, budget + 1
+    pool = min(pool_size or weaver.config.candidate_pool_size, V)
+    c = min(children_per_node, pool)
+    width = round_width(budget, c)
+    check_fillable(budget, width, c, K)
+
+    pool_logits, pool_ids = logits.float().topk(pool, dim=-1)  # [K, pool]: row d = candidates of depth d + 1
+    cache = weaver.encode_prefix(h_target, h_dflash, n)
+    slot_ids = torch.arange(n, device=device)
+    tokens = torch.zeros(n, dtype=torch.long, device=device)
+    parents = torch.full((n,), -1, dtype=torch.long, device=device)
+    depths = torch.zeros(n, dtype=torch.long, device=device)
+    scores = torch.zeros(n, device=device)  # path log-prob of every node
+    ancestors = torch.zeros(n, n, dtype=torch.bool, device=device)  # inclusive, by slot
+    frontier_score = torch.full((n, c), float("-inf"), device=device)  # −inf: not published or consumed
+    frontier_token = torch.zeros(n, c, dtype=torch.long, device=device)
+    tokens[:1] = root_token.reshape(1)
+    ancestors[0, 0] = True
+
+    def expand(nodes: slice) -> None:
+        """One batched Weaver step over node slots ``nodes``; publish each node's top-c children."""
+        depth = depths[nodes]
+        query = weaver.step(cache, slot_ids[nodes], tokens[nodes], depth, ancestors[nodes])
+        row = depth.clamp(max=K - 1)
+        ids = pool_ids[row]
+        logp = weaver.child_logits(query, ids, pool_logits[row]).log_softmax(-1).clamp(min=LOGPROB_FLOOR)
+        top, pick = logp.topk(c, dim=-1)
+        child_score = (scores[nodes, None] + top).masked_fill((depth >= K)[:, None], float("-inf"))
+        frontier_score[nodes] = child_score
+        frontier_token[nodes] = ids.gather(1, pick)
+
+    expand(slice(0, 1))
+    flat_score, flat_token = frontier_score.view(-1), frontier_token.view(-1)
+    filled = 1
+    while filled < n:  # rounds and widths depend on `budget` only
+        w = min(width, n - filled)
+        nodes = slice(filled, filled + w)
+        entry = torch.sort(flat_score, descending=True, stable=True).indices[:w]
+        parent = entry // c
+        tokens[nodes], parents[nodes], scores[nodes] = flat_token[entry], parent, flat_score[entry]
+        depths[nodes] = depths[parent] + 1
+        ancestors[nodes] = ancestors[parent]
+        ancestors[nodes].diagonal(filled).fill_(True)
+        flat_score.index_fill_(0, entry, float("-inf"))
+        if filled + w < n:
+            expand(nodes)
+        filled += w
+    return tokens, parents, depths

@@ -1,0 +1,44 @@
+"""The vectorised acceptance walk against a plain Python walk of the tree."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dflash_tfm.spec.accept import accept_tree
+from dflash_tfm.spec.tree import TreeSpec, random_parents
+
+
+def python_walk(tokens: list[int], parents: list[int], draws: list[int]) -> tuple[list[int], int]:
+    node, path = 0, [0]
+    while True:
+        child = next((c for c in range(len(tokens)) if parents[c] == node and tokens[c] == draws[node]), None)
+        if child is None:
+            return path, draws[node]
+        node = child
+        path.append(node)
+
+
+@pytest.mark.parametrize("shape", ["chain", "star", "binary", "random", "best_first"])
+@pytest.mark.parametrize("seed", range(6))
+def test_walk_matches_python(shape: str, seed: int) -> None:
+    n, vocab, max_depth = (16 if shape == "chain" else 40), 6, 15
+    gen = torch.Generator().manual_seed(seed)
+    parents = random_parents(n, shape, seed=seed, max_depth=max_depth)
+    # distinct sibling tokens: rank among siblings, shuffled per parent
+    tokens = torch.zeros(n, dtype=torch.long)
+    for p in set(parents.tolist()):
+        kids = (parents == p).nonzero().flatten()
+        tokens[kids] = torch.randperm(max(vocab, len(kids)), generator=gen)[: len(kids)]
+    tree = TreeSpec.build(tokens, parents)
+    assert int(tree.depths.max()) <= max_depth
+    draws = torch.randint(0, vocab, (n,), generator=gen)
+    # make acceptance likely: half the nodes draw their first child's token
+    for i in range(n):
+        kids = (parents == i).nonzero().flatten()
+        if len(kids) and torch.rand(1, generator=gen) < 0.7:
+            draws[i] = tokens[kids[0]]
+    acc = accept_tree(tokens, parents, tree.depths, tree.ancestor_mask(), draws, max_depth)
+    path, bonus = python_walk(tokens.tolist(), parents.tolist(), draws.tolist())
+    assert [i for i in acc.path.tolist() if i >= 0] == path
+    assert acc.accepted.nonzero().flatten().tolist() == sorted(path)
+    assert int(acc.last) == path[-1] and int(acc.bonus) == bonus
