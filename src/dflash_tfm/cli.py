@@ -21,7 +21,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-draft-model-path", default=None)
     p.add_argument("--speculative-dflash-tfm-path", default=None, help="Weaver checkpoint (.pth)")
     p.add_argument("--speculative-dflash-tfm-tree-budget", type=int, default=64)
-    p.add_argument("--speculative-dflash-block-size", type=int, default=16)
+    p.add_argument("--speculative-dflash-block-size", type=int, default=None, help="default: the drafter's")
     p.add_argument("--speculative-gdn-verify-kernel", default="chunk", choices=["chunk", "recurrent"])
     p.add_argument("--disable-cuda-graph", action="store_true")
 
@@ -29,10 +29,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 def engine_from_args(args: argparse.Namespace):
     from dflash_tfm import Engine
 
-    algo = None if args.speculative_algorithm in (None, "NONE") else args.speculative_algorithm
     return Engine(
         args.model_path,
-        speculative_algorithm=algo,
+        speculative_algorithm=args.speculative_algorithm,
         draft_model_path=args.speculative_draft_model_path,
         weaver_path=args.speculative_dflash_tfm_path,
         tree_budget=args.speculative_dflash_tfm_tree_budget,

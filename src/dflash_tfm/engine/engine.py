@@ -17,12 +17,11 @@ import torch
 from dflash_tfm.engine.detokenizer import IncrementalDetokenizer
 from dflash_tfm.engine.model_runner import ModelRunner
 from dflash_tfm.engine.result import GenerationResult, GenerationStats
-from dflash_tfm.engine.autoregressive import AutoregressiveDecoder
+from dflash_tfm.engine.decoder_factory import build_decoder, normalize_algorithm
 from dflash_tfm.engine.sampler import make_generator
 from dflash_tfm.loading.loader import load_target, parse_dtype
 from dflash_tfm.sampling_params import SamplingParams
 
-SPECULATIVE_ALGORITHMS = ("DFLASH", "DDTREE", "DFLASH_TFM")
 DEFAULT_MAX_MODEL_LEN = 32768
 
 Prompt = str | list[int] | list[dict]
@@ -47,7 +46,7 @@ class Engine:
         draft_model_path: str | Path | None = None,
         weaver_path: str | Path | None = None,
         tree_budget: int = 64,
-        block_size: int = 16,
+        block_size: int | None = None,
         gdn_verify_kernel: str = "chunk",
         device: str | torch.device | None = None,
         dtype: str | torch.dtype = "auto",
@@ -56,14 +55,10 @@ class Engine:
         progress: bool = True,
     ) -> None:
         """dtype "auto" = bfloat16 on CUDA and float32 on the CPU (CPU bf16 matmuls are slow and inexact).
-        max_model_len defaults to min(the model's context, 32768) and sizes the static caches."""
-        if speculative_algorithm is not None:
-            algo = str(speculative_algorithm).upper()
-            if algo not in SPECULATIVE_ALGORITHMS:
-                raise ValueError(
-                    f"unknown speculative_algorithm {speculative_algorithm!r}; choose None or one of {SPECULATIVE_ALGORITHMS}"
-                )
-            raise NotImplementedError(f"speculative_algorithm={algo} is not implemented yet; only autoregressive decoding")
+        max_model_len defaults to min(the model's context, 32768) and sizes the static caches.
+        block_size None = the drafter's own block size (a different value is an error: drafters are trained
+        for one block size)."""
+        self.speculative_algorithm = normalize_algorithm(speculative_algorithm)
         if gdn_verify_kernel not in ("chunk", "recurrent"):
             raise ValueError(f"gdn_verify_kernel must be 'chunk' or 'recurrent', got {gdn_verify_kernel!r}")
         self.device = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -81,7 +76,10 @@ class Engine:
                 f"max_model_len must be in [2, {self.config.max_position_embeddings}], got {self.max_model_len}"
             )
         self.runner = ModelRunner(loaded.model, self.max_model_len, self.device, use_cuda_graph=use_cuda_graph)
-        self.decoder = AutoregressiveDecoder(self.runner)
+        self.decoder = build_decoder(
+            self.runner, self.config, self.speculative_algorithm, draft_model_path, weaver_path, tree_budget,
+            block_size, gdn_verify_kernel,
+        )
         self.eos_token_ids = set(self.config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(int(self.tokenizer.eos_token_id))

@@ -1,0 +1,69 @@
+"""Builds the decoder an `Engine` runs: autoregressive, or speculative with one of three tree proposers.
+
+    DFLASH      chain of the drafter's per-depth argmax (block - 1 drafted tokens)
+    DDTREE      best-first tree over the product of the drafter's marginals (budget + 1 nodes)
+    DFLASH_TFM  Weaver-rescored best-first tree (budget + 1 nodes); the chain when budget + 1 <= block size
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from dflash_tfm.config import ModelConfig
+from dflash_tfm.engine.autoregressive import AutoregressiveDecoder
+from dflash_tfm.engine.model_runner import ModelRunner
+from dflash_tfm.engine.speculative import Proposer, SpeculativeDecoder
+
+SPECULATIVE_ALGORITHMS = ("DFLASH", "DDTREE", "DFLASH_TFM")
+
+
+def normalize_algorithm(name: str | None) -> str | None:
+    """None / "NONE" -> None; otherwise the upper-case name, validated."""
+    if name is None or str(name).upper() == "NONE":
+        return None
+    algo = str(name).upper()
+    if algo not in SPECULATIVE_ALGORITHMS:
+        raise ValueError(f"unknown speculative_algorithm {name!r}; choose None or one of {', '.join(SPECULATIVE_ALGORITHMS)}")
+    return algo
+
+
+def build_decoder(
+    runner: ModelRunner, cfg: ModelConfig, algorithm: str | None, draft_model_path: str | Path | None,
+    weaver_path: str | Path | None, tree_budget: int, block_size: int | None, gdn_kernel: str,
+) -> AutoregressiveDecoder | SpeculativeDecoder:
+    algo = normalize_algorithm(algorithm)
+    if algo is None:
+        return AutoregressiveDecoder(runner)
+    if draft_model_path is None:
+        raise ValueError(f"speculative_algorithm={algo} needs draft_model_path (a DFlash drafter directory)")
+    if tree_budget < 1:
+        raise ValueError(f"tree_budget must be >= 1, got {tree_budget}")
+    from dflash_tfm.spec.dflash import load_dflash_drafter
+
+    model = runner.model
+    drafter = load_dflash_drafter(
+        draft_model_path, model, cfg, runner.device, runner.dtype, max_len=runner.max_len + 64,
+    )
+    block = drafter.config.block_size
+    if block_size is not None and block_size != block:
+        raise ValueError(f"block_size {block_size} does not match the drafter's block_size {block} ({draft_model_path})")
+    return SpeculativeDecoder(runner, drafter, _proposer(algo, runner, cfg, weaver_path, tree_budget, block), gdn_kernel)
+
+
+def _proposer(algo: str, runner: ModelRunner, cfg: ModelConfig, weaver_path, budget: int, block: int) -> Proposer:
+    from dflash_tfm.spec.chain import build_chain
+
+    if algo == "DFLASH":
+        return lambda root, logits, hidden, h_target: build_chain(root, logits)
+    if algo == "DDTREE":
+        from dflash_tfm.spec.ddtree import build_ddtree
+
+        return lambda root, logits, hidden, h_target: build_ddtree(root, logits, budget)
+    if weaver_path is None:
+        raise ValueError("speculative_algorithm=DFLASH_TFM needs weaver_path (a Weaver .pth checkpoint)")
+    from dflash_tfm.spec.weaver import load_weaver
+    from dflash_tfm.spec.weaver_tree import build_weaver_tree
+
+    weaver = load_weaver(weaver_path, runner.model, cfg, block, runner.device, runner.dtype)
+    if budget + 1 <= block:  # a tree no larger than the block: the chain is at least as good
+        return lambda root, logits, hidden, h_target: build_chain(root, logits)
+    return lambda root, logits, hidden, h_target: build_weaver_tree(weaver, root, logits, hidden, h_target, budget)

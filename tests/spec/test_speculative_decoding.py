@@ -1,0 +1,128 @@
+"""End-to-end speculative decoding on tiny random targets (hybrid GDN and dense):
+
+* at temperature 0 every mode (DFLASH, DDTREE, DFLASH_TFM at budgets 8/16/64) reproduces plain greedy
+  decoding token for token, with random drafters/Weavers (mostly rejections) and with oracle drafters
+  (long accepted paths, including paths through non-first siblings);
+* wiring: an oracle drafter proposing the target's own greedy continuation makes every step produce a
+  full block (tau = block size) for DFLASH, and depth + 1 = 16 tokens for DDTREE and DFLASH_TFM.
+"""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from dflash_tfm.config import ModelConfig
+from dflash_tfm.engine.autoregressive import AutoregressiveDecoder
+from dflash_tfm.engine.decoder_factory import _proposer, build_decoder
+from dflash_tfm.engine.model_runner import ModelRunner
+from dflash_tfm.engine.speculative import SpeculativeDecoder
+from dflash_tfm.loading.loader import build_model
+from dflash_tfm.models.random_init import init_random_
+from dflash_tfm.sampling_params import SamplingParams
+from dflash_tfm.spec.fixtures import write_random_dflash_checkpoint
+from dflash_tfm.spec.weaver_fixtures import write_random_weaver_checkpoint
+
+VOCAB = 96
+BLOCK = 16
+GREEDY = SamplingParams(temperature=0.0)
+TINY = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=16, rms_norm_eps=1e-6, max_position_embeddings=512, tie_word_embeddings=False)
+TARGETS = {
+    "hybrid": dict(TINY, model_type="qwen3_5_text", num_hidden_layers=4, full_attention_interval=2,
+                   linear_num_key_heads=2, linear_num_value_heads=6, linear_key_head_dim=16, linear_value_head_dim=16,
+                   rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
+    "dense": dict(TINY, model_type="llama", num_hidden_layers=3, rope_theta=10000.0),
+}
+PROMPT = [5, 17, 42, 8, 77, 3, 61, 29, 11, 50]
+N_TOKENS = 48
+
+
+@pytest.fixture(scope="module", params=sorted(TARGETS))
+def target(request, tmp_path_factory):
+    cfg = ModelConfig.from_dict(TARGETS[request.param])
+    model = init_random_(build_model(cfg, torch.device("cpu"), torch.float32, max_positions=512), seed=3)
+    root = tmp_path_factory.mktemp("spec")
+    write_random_dflash_checkpoint(root / "dflash", cfg, num_layers=1, block_size=BLOCK, target_layer_ids=[0, cfg.num_layers - 1])
+    write_random_weaver_checkpoint(root / "weaver.pth", cfg, variant=1)
+    return cfg, model, root
+
+
+def runner_for(model) -> ModelRunner:
+    return ModelRunner(model, max_len=256, device=torch.device("cpu"), use_cuda_graph=False)
+
+
+def decode(decoder, n: int = N_TOKENS) -> tuple[list[int], list[int]]:
+    """Tokens and tokens-per-step of a greedy run of >= n tokens."""
+    tokens = [decoder.prefill(PROMPT, GREEDY, None)]
+    per_step = []
+    while len(tokens) < n:
+        out = decoder.step(GREEDY, None)
+        per_step.append(len(out))
+        tokens += out
+    return tokens[:n], per_step
+
+
+def greedy_reference(model, n: int = N_TOKENS) -> list[int]:
+    return decode(AutoregressiveDecoder(runner_for(model)), n)[0]
+
+
+@pytest.mark.parametrize("algo, budget", [("DFLASH", 0), ("DDTREE", 8), ("DDTREE", 16), ("DDTREE", 64),
+                                          ("DFLASH_TFM", 8), ("DFLASH_TFM", 16), ("DFLASH_TFM", 64)])
+def test_random_drafters_reproduce_greedy(target, algo: str, budget: int) -> None:
+    cfg, model, root = target
+    decoder = build_decoder(runner_for(model), cfg, algo, root / "dflash", root / "weaver.pth", max(budget, 1), None, "chunk")
+    assert decode(decoder)[0] == greedy_reference(model)
+
+
+class OracleDrafter:
+    """Proposes the target's own greedy continuation (known in advance), optionally demoting the right token
+    to second place at some depths so that tree modes must accept through a non-first sibling."""
+
+    def __init__(self, continuation: list[int], prompt_len: int, hidden: int, demote_every: int = 0) -> None:
+        self.config = SimpleNamespace(target_layer_ids=[0], block_size=BLOCK)
+        self.continuation, self.prompt_len, self.hidden, self.demote_every = continuation, prompt_len, hidden, demote_every
+
+    def reset(self) -> None: ...
+
+    def append_context(self, taps, start: int) -> None: ...
+
+    def draft(self, root: torch.Tensor, position: int) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = torch.zeros(1, BLOCK - 1, VOCAB)
+        for k in range(1, BLOCK):
+            i = position - self.prompt_len + k
+            right = self.continuation[i] if i < len(self.continuation) else 0
+            wrong = (right + 1) % VOCAB
+            if self.demote_every and (position + k) % self.demote_every == 0:
+                logits[0, k - 1, wrong], logits[0, k - 1, right] = 25.0, 24.0
+            else:
+                logits[0, k - 1, right] = 25.0
+        return logits, torch.zeros(1, BLOCK - 1, self.hidden)
+
+
+@pytest.mark.parametrize("algo, budget", [("DFLASH", 0), ("DDTREE", 64), ("DFLASH_TFM", 64)])
+def test_oracle_drafter_accepts_whole_blocks(target, algo: str, budget: int) -> None:
+    cfg, model, root = target
+    reference = greedy_reference(model, N_TOKENS + 3 * BLOCK)
+    runner = runner_for(model)
+    drafter = OracleDrafter(reference, len(PROMPT), cfg.hidden_size)
+    decoder = SpeculativeDecoder(runner, drafter, _proposer(algo, runner, cfg, root / "weaver.pth", max(budget, 1), BLOCK))
+    tokens, per_step = decode(decoder)
+    assert tokens == reference[:N_TOKENS]
+    assert per_step == [BLOCK] * len(per_step), per_step  # tau = block size = depth 15 + 1
+
+
+@pytest.mark.parametrize("algo", ["DDTREE", "DFLASH_TFM"])
+def test_trees_accept_through_second_siblings(target, algo: str) -> None:
+    """The right token is only second-best at every 5th position: the chain stops there, trees continue."""
+    cfg, model, root = target
+    reference = greedy_reference(model, N_TOKENS + 3 * BLOCK)
+    runner = runner_for(model)
+    drafter = OracleDrafter(reference, len(PROMPT), cfg.hidden_size, demote_every=5)
+    chain = SpeculativeDecoder(runner, drafter, _proposer("DFLASH", runner, cfg, None, 1, BLOCK))
+    chain_tokens, chain_steps = decode(chain)
+    tree = SpeculativeDecoder(runner, drafter, _proposer(algo, runner, cfg, root / "weaver.pth", 64, BLOCK))
+    tree_tokens, tree_steps = decode(tree)
+    assert chain_tokens == tree_tokens == reference[:N_TOKENS]
+    assert max(chain_steps) <= 5 and len(tree_steps) < len(chain_steps)
