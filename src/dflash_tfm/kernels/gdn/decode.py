@@ -78,7 +78,7 @@ def gdn_decode(
     out: torch.Tensor | None = None,
     *,
     block_v: int = 16,
-    num_warps: int = 2,
+    num_warps: int = 1,
 ) -> torch.Tensor:
     """Advance ``state [B, HV, dk, dv]`` (fp32, updated in place) over T decode tokens and return ``o``.
 

@@ -1,0 +1,124 @@
+"""Tree causal depthwise conv1d (width 4, SiLU) for the GDN input q|k|v, and its commit.
+
+One program per (node, channel block): it follows the parent pointers three steps up (continuing above
+the root into the committed window), so every node's output is the plain causal conv over its root→node
+path preceded by the window. The window is never written during verify; the commit gathers the last three
+inputs of the accepted path (one program per channel block). Shapes and conventions: ``reference.py``.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from dflash_tfm.kernels import use_triton
+from dflash_tfm.kernels.conv.reference import (
+    WIDTH,
+    check_tree_conv_inputs,
+    tree_causal_conv1d_reference,
+    tree_conv_commit_reference,
+)
+
+
+@triton.jit
+def _up(parents, b, N, a):
+    """One step up: the parent of node a ≥ 0, else a − 1 (above the root, −1 −2 −3 are window slots 2 1 0)."""
+    return tl.where(a >= 0, tl.load(parents + b * N + tl.maximum(a, 0)), a - 1)
+
+
+@triton.jit
+def _input_at(x, window, b, a, offs_c, cm, sx_b, sx_n, sw_b, sw_c):
+    """Conv input of chain index a (tree row if a ≥ 0, else window slot 3 + a) for channels offs_c, fp32."""
+    in_tree = tl.load(x + b * sx_b + tl.maximum(a, 0) * sx_n + offs_c, mask=cm & (a >= 0), other=0.0)
+    in_window = tl.load(window + b * sw_b + offs_c * sw_c + tl.maximum(a + 3, 0), mask=cm & (a < 0), other=0.0)
+    return tl.where(a >= 0, in_tree.to(tl.float32), in_window.to(tl.float32))
+
+
+@triton.jit
+def _tree_conv_kernel(
+    x, weight, parents, window, y,
+    N, C, sx_b, sx_n, sw_b, sw_c, swt_c, sy_b, sy_n,
+    BC: tl.constexpr, SILU: tl.constexpr,
+):
+    """Grid (cdiv(C, BC), B·N). x, y: [B, N, C]; weight: [C, 4]; window: [B, C, 3]."""
+    b = tl.program_id(1) // N
+    i = tl.program_id(1) % N
+    offs_c = tl.program_id(0) * BC + tl.arange(0, BC)
+    cm = offs_c < C
+    a = i  # chain index: node, then ancestors, then window slots
+    acc = tl.zeros([BC], dtype=tl.float32)
+    for t in tl.static_range(4):  # t = 0 is the node itself; weight column 3 − t
+        w_t = tl.load(weight + offs_c * swt_c + (3 - t), mask=cm, other=0.0).to(tl.float32)
+        acc += w_t * _input_at(x, window, b, a, offs_c, cm, sx_b, sx_n, sw_b, sw_c)
+        a = _up(parents, b, N, a)
+    if SILU:
+        acc = acc * tl.sigmoid(acc)
+    tl.store(y + b * sy_b + i * sy_n + offs_c, acc.to(y.dtype.element_ty), mask=cm)
+
+
+@triton.jit
+def _tree_conv_commit_kernel(
+    x, parents, accepted, window, out,
+    N, C, sx_b, sx_n, sw_b, sw_c,
+    BC: tl.constexpr, NPOW: tl.constexpr,
+):
+    """Grid (cdiv(C, BC), B). out: [B, C, 3], slot 2 = the deepest accepted node's input."""
+    b = tl.program_id(1)
+    offs_c = tl.program_id(0) * BC + tl.arange(0, BC)
+    cm = offs_c < C
+    nodes = tl.arange(0, NPOW)
+    on_path = tl.load(accepted + b * N + nodes, mask=nodes < N, other=0) != 0
+    a = tl.max(tl.where(on_path, nodes, -1), axis=0)  # parents precede children: deepest = largest index
+    for s in tl.static_range(3):  # slot 2, 1, 0
+        val = _input_at(x, window, b, a, offs_c, cm, sx_b, sx_n, sw_b, sw_c)
+        tl.store(out + (b * C + offs_c) * 3 + (2 - s), val.to(out.dtype.element_ty), mask=cm)
+        a = _up(parents, b, N, a)
+
+
+def _unit_stride(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The kernels index the last dimension directly."""
+    return tuple(t if t.stride(-1) == 1 else t.contiguous() for t in tensors)
+
+
+def tree_causal_conv1d(
+    x: torch.Tensor, weight: torch.Tensor, parents: torch.Tensor, conv_window: torch.Tensor,
+    activation: str | None = "silu",
+) -> torch.Tensor:
+    """``y_i = act(Σ_t w[:, 3−t] · x_{anc_t(i)})`` for every tree node; the window is only read.
+
+    x ``[B, N, C]``, weight ``[C, 4]``, parents ``[B, N]``, conv_window ``[B, C, 3]`` (most recent last).
+    Returns ``y [B, N, C]`` in x's dtype (fp32 accumulation).
+    """
+    B, N, C = check_tree_conv_inputs(x, parents, conv_window)
+    if activation not in ("silu", None):
+        raise ValueError(f"activation must be 'silu' or None, got {activation!r}")
+    if tuple(weight.shape) != (C, WIDTH):
+        raise ValueError(f"weight must be [{C}, {WIDTH}], got {tuple(weight.shape)}")
+    if not use_triton(x):
+        return tree_causal_conv1d_reference(x, weight, parents, conv_window, activation)
+    x, weight, conv_window, parents = _unit_stride(x, weight, conv_window, parents.contiguous())
+    y = torch.empty(B, N, C, dtype=x.dtype, device=x.device)
+    BC = min(1024, triton.next_power_of_2(C))
+    _tree_conv_kernel[(triton.cdiv(C, BC), B * N)](
+        x, weight, parents, conv_window, y, N, C, *x.stride()[:2], *conv_window.stride()[:2],
+        weight.stride(0), *y.stride()[:2], BC=BC, SILU=activation == "silu")
+    return y
+
+
+def tree_conv_commit(
+    x: torch.Tensor, parents: torch.Tensor, accepted: torch.Tensor, conv_window: torch.Tensor
+) -> torch.Tensor:
+    """New conv window ``[B, C, 3]`` (a new tensor, in conv_window's dtype): the last three inputs along
+    the accepted path ``accepted [B, N]`` (bool, root included), falling back into the old window."""
+    B, N, C = check_tree_conv_inputs(x, parents, conv_window)
+    if not use_triton(x):
+        return tree_conv_commit_reference(x, parents, accepted, conv_window)
+    x, conv_window, parents = _unit_stride(x, conv_window, parents.contiguous())
+    acc = accepted.contiguous()
+    acc = acc.view(torch.uint8) if acc.dtype == torch.bool else acc.to(torch.uint8)
+    out = torch.empty(B, C, WIDTH - 1, dtype=conv_window.dtype, device=x.device)
+    BC = min(1024, triton.next_power_of_2(C))
+    _tree_conv_commit_kernel[(triton.cdiv(C, BC), B)](
+        x, parents, acc, conv_window, out, N, C, *x.stride()[:2], *conv_window.stride()[:2],
+        BC=BC, NPOW=triton.next_power_of_2(N))
+    return out

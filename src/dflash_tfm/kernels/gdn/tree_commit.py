@@ -1,0 +1,76 @@
+"""Rollback-free GDN commit: fold the accepted path's solved rows into a new state, one launch.
+
+``S* = e^(G_last) S0 + Σ_{j∈path} e^(G_last−G_j) k_j u_jᵀ`` uses the ``u`` rows and path decays ``G`` that the
+chunk verify pass already produced, so nothing is re-solved: per value head a ``[dk, N] × [N, dv]``
+product over the accepted rows (non-path rows get weight 0). The recurrent baseline's context holds a
+state per node instead; its commit picks the deepest accepted snapshot.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from dflash_tfm.kernels import use_triton
+from dflash_tfm.kernels.gdn.tree_reference import GDNTreeContext, gdn_tree_commit_reference
+
+
+@triton.jit
+def _gdn_tree_fold_kernel(
+    k, u, G, accepted, S0, out,
+    N, HK, R,
+    sk_b, sk_n, sk_h, ss_b, ss_h, ss_k,
+    DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BN: tl.constexpr,
+    NPOW: tl.constexpr,
+):
+    """Grid (cdiv(dv, BV), B·HV). u: [B, N, HV, dv] fp32, G: [B, N, HV] fp32, accepted: [B, N] uint8."""
+    HV = HK * R
+    b = tl.program_id(1) // HV
+    hv = tl.program_id(1) % HV
+    hk = hv // R
+    offs_k = tl.arange(0, BK)
+    offs_v = tl.program_id(0) * BV + tl.arange(0, BV)
+    tm = (offs_k[:, None] < DK) & (offs_v[None, :] < DV)
+    nodes = tl.arange(0, NPOW)
+    on_path = tl.load(accepted + b * N + nodes, mask=nodes < N, other=0) != 0
+    last = tl.max(tl.where(on_path, nodes, -1), axis=0)  # parents precede children: deepest = largest index
+    G_last = tl.load(G + (b * N + tl.maximum(last, 0)) * HV + hv)
+    G_last = tl.where(last >= 0, G_last, 0.0)
+    S = tl.zeros([BK, BV], dtype=tl.float32)
+    for n0 in range(0, N, BN):
+        offs_n = n0 + tl.arange(0, BN)
+        nm = offs_n < N
+        acc = tl.load(accepted + b * N + offs_n, mask=nm, other=0) != 0
+        G_n = tl.load(G + (b * N + offs_n) * HV + hv, mask=nm, other=0.0)
+        w = tl.where(acc, tl.exp(tl.minimum(G_last - G_n, 0.0)), 0.0)
+        k_n = tl.load(k + b * sk_b + offs_n[:, None] * sk_n + hk * sk_h + offs_k[None, :],
+                      mask=nm[:, None] & (offs_k[None, :] < DK), other=0.0).to(tl.float32)
+        u_n = tl.load(u + ((b * N + offs_n[:, None]) * HV + hv) * DV + offs_v[None, :],
+                      mask=nm[:, None] & (offs_v[None, :] < DV), other=0.0)
+        S += tl.dot(tl.trans(k_n * w[:, None]), u_n, input_precision="ieee")
+    S0_t = tl.load(S0 + b * ss_b + hv * ss_h + offs_k[:, None] * ss_k + offs_v[None, :], mask=tm, other=0.0)
+    S += tl.exp(G_last) * S0_t
+    tl.store(out + ((b * HV + hv) * DK + offs_k[:, None]) * DV + offs_v[None, :], S, mask=tm)
+
+
+def gdn_tree_commit(ctx: GDNTreeContext, accepted: torch.Tensor) -> torch.Tensor:
+    """New fp32 state ``[B, HV, dk, dv]`` after decoding the accepted root→node path.
+
+    ``ctx`` from :func:`gdn_tree_verify`; ``accepted [B, N]`` bool marks the path's nodes (root included).
+    Nothing accepted gives a copy of the initial state, which is never modified. No host sync.
+    """
+    S0 = ctx.initial_state
+    if ctx.snapshots is not None or not use_triton(S0):
+        return gdn_tree_commit_reference(ctx, accepted)
+    B, HV, dk, dv = S0.shape
+    N, HK = ctx.k.shape[1], ctx.k.shape[2]
+    k = ctx.k if ctx.k.stride(-1) == 1 else ctx.k.contiguous()
+    S0 = S0 if S0.stride(-1) == 1 else S0.contiguous()
+    acc = accepted.contiguous()
+    acc = acc.view(torch.uint8) if acc.dtype == torch.bool else acc.to(torch.uint8)
+    out = torch.empty(B, HV, dk, dv, dtype=torch.float32, device=S0.device)
+    BV = min(32, max(16, triton.next_power_of_2(dv)))
+    _gdn_tree_fold_kernel[(triton.cdiv(dv, BV), B * HV)](
+        k, ctx.u, ctx.G, acc, S0, out, N, HK, HV // HK, *k.stride()[:3], *S0.stride()[:3],
+        DK=dk, DV=dv, BK=max(16, triton.next_power_of_2(dk)), BV=BV, BN=16, NPOW=triton.next_power_of_2(N))
+    return out

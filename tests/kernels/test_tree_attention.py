@@ -1,0 +1,116 @@
+"""Tree attention: every node equals plain causal attention over the cache followed by its root→node path.
+
+Oracle: per node, softmax attention of its query over ``[k_cache[:L] | k_tree[path]]`` (float64). Triton
+kernels: see test_tree_common for how they run on the CPU; GPU tests use Qwen3.6-27B attention shapes.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dflash_tfm.kernels import TRITON_INTERPRETED, compact_accepted_kv, tree_attention
+from dflash_tfm.kernels.attention.reference import tree_attention_reference
+from dflash_tfm.spec.tree import TREE_SHAPES, ancestor_bitsets, random_parents
+
+from .test_tree_common import rel_err, root_path, triton_device  # noqa: F401  (fixture)
+
+
+def make_case(B: int, N: int, H: int, Hkv: int, D: int, S: int, shape: str, device: str = "cpu",
+              dtype: torch.dtype = torch.float32) -> tuple[dict, torch.Tensor]:
+    gen = torch.Generator().manual_seed(N * 7 + D)
+    parents = torch.stack([random_parents(N, shape, seed=b) for b in range(B)])
+    x = {
+        "q": torch.randn(B, N, H, D, generator=gen),
+        "k_cache": torch.randn(B, S, Hkv, D, generator=gen),
+        "v_cache": torch.randn(B, S, Hkv, D, generator=gen),
+        "k_tree": torch.randn(B, N, Hkv, D, generator=gen),
+        "v_tree": torch.randn(B, N, Hkv, D, generator=gen),
+    }
+    x = {n: t.to(device=device, dtype=dtype) for n, t in x.items()}
+    return {**x, "ancestor_bitsets": ancestor_bitsets(parents).to(device)}, parents
+
+
+def path_attention(x: dict, parents: torch.Tensor, L: list[int], scale: float) -> torch.Tensor:
+    """The oracle, node by node: float64 softmax over the first L cache keys and the path's keys."""
+    q = x["q"].cpu().double()
+    B, N, H, _ = q.shape
+    group = H // x["k_cache"].shape[2]  # query head h reads kv head h // group
+    out = torch.empty_like(q)
+    for b in range(B):
+        for i in range(N):
+            path = root_path(parents[b], i)
+            keys, values = (torch.cat([x[f"{n}_cache"][b, :L[b]], x[f"{n}_tree"][b, path]]).cpu().double()
+                            .repeat_interleave(group, dim=1) for n in "kv")            # [L + depth + 1, H, D]
+            p = torch.softmax(torch.einsum("thd,hd->ht", keys, q[b, i]) * scale, dim=-1)
+            out[b, i] = torch.einsum("ht,thd->hd", p, values)
+    return out
+
+
+@pytest.mark.parametrize("shape", TREE_SHAPES)
+@pytest.mark.parametrize("N", [1, 17, 65])
+def test_reference_matches_path_attention(shape: str, N: int) -> None:
+    x, parents = make_case(2, N, 4, 2, 16, 40, shape)
+    L = [0, 37]
+    o = tree_attention_reference(**x, cache_len=torch.tensor(L), scale=0.3)
+    assert rel_err(o, path_attention(x, parents, L, 0.3)) <= 1e-5
+
+
+@pytest.mark.parametrize("shape, L, splits", [
+    ("best_first", [21, 50], 1), ("random", [0, 33], 2), ("binary", 50, 4), ("chain", [64, 3], None)])
+def test_triton_matches_path_attention(shape: str, L, splits: int | None, triton_device: str) -> None:
+    """GQA 6/2, int or per-sequence cache lengths (incl. empty), one or several cache splits."""
+    x, parents = make_case(2, 12, 6, 2, 32, 64, shape, triton_device)
+    cache_len = L if isinstance(L, int) else torch.tensor(L, device=triton_device)
+    o = tree_attention(**x, cache_len=cache_len, num_splits=splits)
+    lens = [L] * 2 if isinstance(L, int) else L
+    assert o.shape == x["q"].shape and rel_err(o, path_attention(x, parents, lens, 32**-0.5)) <= 1e-5
+
+
+def test_triton_more_than_64_nodes(triton_device: str) -> None:
+    """Two bitset words and two query row blocks; head_dim not a power of two."""
+    x, parents = make_case(1, 70, 2, 1, 24, 20, "best_first", triton_device)
+    o = tree_attention(**x, cache_len=20, scale=0.2)
+    assert rel_err(o, path_attention(x, parents, [20], 0.2)) <= 1e-5
+
+
+@pytest.mark.skipif(TRITON_INTERPRETED, reason="the CPU runs Triton's interpreter in this process")
+def test_cpu_tensors_run_the_twin() -> None:
+    x, _ = make_case(1, 7, 4, 2, 16, 10, "random")
+    assert torch.equal(tree_attention(**x, cache_len=6), tree_attention_reference(**x, cache_len=6))
+
+
+def test_compact_accepted_kv() -> None:
+    """Root + accepted nodes land in slots L … L+a (per sequence); other slots are untouched."""
+    x, _ = make_case(2, 10, 2, 2, 8, 16, "random")
+    k_cache, v_cache = x["k_cache"].clone(), x["v_cache"].clone()
+    path = torch.tensor([[0, 3, 7, -1], [0, 2, 5, 9]])
+    new_len = compact_accepted_kv(k_cache, v_cache, torch.tensor([4, 9]), x["k_tree"], x["v_tree"], path)
+    assert new_len.tolist() == [7, 13]
+    for b, (L, nodes) in enumerate([(4, [0, 3, 7]), (9, [0, 2, 5, 9])]):
+        assert torch.equal(k_cache[b, L:L + len(nodes)], x["k_tree"][b, nodes])
+        assert torch.equal(v_cache[b, L:L + len(nodes)], x["v_tree"][b, nodes])
+        keep = [s for s in range(16) if not L <= s < L + len(nodes)]
+        assert torch.equal(k_cache[b, keep], x["k_cache"][b, keep])
+        assert torch.equal(v_cache[b, keep], x["v_cache"][b, keep])
+
+
+def test_validation_errors() -> None:
+    x, _ = make_case(1, 5, 4, 2, 16, 8, "random")
+    with pytest.raises(ValueError, match="ancestor_bitsets"):
+        tree_attention(**{**x, "ancestor_bitsets": x["ancestor_bitsets"].int()}, cache_len=3)
+    with pytest.raises(ValueError, match="k_tree"):
+        tree_attention(**{**x, "k_tree": x["k_tree"][:, :4]}, cache_len=3)
+    with pytest.raises(ValueError, match="multiple"):
+        tree_attention(**{**x, "q": x["q"][:, :, :3]}, cache_len=3)
+    with pytest.raises(ValueError, match="k_cache"):
+        tree_attention(**{**x, "v_cache": x["v_cache"][:, :4]}, cache_len=3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N", [16, 65, 129])
+def test_gpu_matches_twin_27b_shapes(N: int) -> None:
+    """Qwen3.6-27B attention: 24 query heads, 4 kv heads, head_dim 256, cache 4096, bf16."""
+    x, _ = make_case(1, N, 24, 4, 256, 4096, "best_first", "cuda", torch.bfloat16)
+    for cache_len in (4000, torch.tensor([4096], device="cuda"), 0):
+        o = tree_attention(**x, cache_len=cache_len)
+        assert rel_err(o, tree_attention_reference(**x, cache_len=cache_len)) <= 2e-2

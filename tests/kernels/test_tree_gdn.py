@@ -1,0 +1,218 @@
+"""GDN tree verify/commit: every node equals sequential decoding of its root→node path.
+
+Oracle: ``gdn_path_recurrence`` (float64 recurrence along every root→leaf path). Second oracle on a chain:
+transformers' ``torch_chunk_gated_delta_rule``. The torch twin is checked up to 129 nodes; the Triton
+kernels (interpreter on the CPU, see test_tree_common) at small sizes; GPU tests compare Triton and twin
+at Qwen3.6-27B shapes.
+"""
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dflash_tfm.kernels import TRITON_INTERPRETED, gdn_tree_commit, gdn_tree_verify
+from dflash_tfm.kernels.gdn.tree_reference import (
+    gdn_path_recurrence,
+    gdn_tree_commit_reference,
+    gdn_tree_verify_reference,
+)
+from dflash_tfm.spec.tree import TREE_SHAPES, ancestor_bitsets, random_parents
+
+from .test_tree_common import accepted_mask, rel_err, triton_device  # noqa: F401  (fixture)
+
+TOL = 1e-4
+
+
+def make_inputs(B: int, N: int, HK: int, r: int, dk: int, dv: int, seed: int = 0, device: str = "cpu",
+                dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """Unit q/k, β ∈ (0, 1), g ≤ 0 (model-like: e^g mostly 0.7–1), a non-zero fp32 initial state."""
+    gen = torch.Generator().manual_seed(seed)
+    x = {
+        "q": F.normalize(torch.randn(B, N, HK, dk, generator=gen), dim=-1),
+        "k": F.normalize(torch.randn(B, N, HK, dk, generator=gen), dim=-1),
+        "v": torch.randn(B, N, HK * r, dv, generator=gen),
+        "g": F.logsigmoid(torch.randn(B, N, HK * r, generator=gen) + 2.0),
+        "beta": torch.rand(B, N, HK * r, generator=gen).clamp(0.01, 0.99),
+        "initial_state": 0.5 * torch.randn(B, HK * r, dk, dv, generator=gen),
+    }
+    low = ("q", "k", "v")
+    return {n: t.to(device=device, dtype=dtype if n in low else torch.float32) for n, t in x.items()}
+
+
+def trees(B: int, N: int, shape: str, seed: int = 0) -> torch.Tensor:
+    return torch.stack([random_parents(N, shape, seed=seed + b) for b in range(B)])
+
+
+def check_against_oracle(x: dict, parents: torch.Tensor, kernel: str | None, tol: float = TOL, **kw) -> None:
+    """Outputs of all nodes, commit after a path to a random node (and to nothing), S0 untouched."""
+    S0 = x["initial_state"].clone()
+    if kernel is None:
+        o, ctx = gdn_tree_verify_reference(**x, parents=parents)
+        commit = gdn_tree_commit_reference
+    else:
+        o, ctx = gdn_tree_verify(**x, parents=parents.to(x["q"].device), kernel=kernel, **kw)
+        commit = gdn_tree_commit
+    o_ref, states = gdn_path_recurrence(**x, parents=parents)
+    assert o.shape == o_ref.shape and o.dtype == x["v"].dtype
+    assert rel_err(o, o_ref) <= tol
+    B, N = parents.shape
+    nodes = torch.randint(0, N, (B,), generator=torch.Generator().manual_seed(N)).tolist()
+    acc = accepted_mask(parents, nodes).to(o.device)
+    S = commit(ctx, acc)
+    assert rel_err(S, states[torch.arange(B), nodes]) <= tol
+    assert rel_err(commit(ctx, torch.zeros_like(acc)), S0) == 0.0
+    assert torch.equal(x["initial_state"], S0)
+
+
+# ---- torch twin -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("shape", TREE_SHAPES)
+@pytest.mark.parametrize("N", [1, 2, 17, 65, 129])
+def test_reference_matches_path_recurrence(shape: str, N: int) -> None:
+    check_against_oracle(make_inputs(2, N, 2, 3, 16, 16, seed=N), trees(2, N, shape), kernel=None)
+
+
+def test_reference_with_given_bitsets_and_scale() -> None:
+    x = make_inputs(1, 30, 1, 3, 16, 32)
+    parents = trees(1, 30, "best_first")
+    o, _ = gdn_tree_verify_reference(**x, parents=parents, scale=0.3, ancestors=ancestor_bitsets(parents))
+    assert rel_err(o, gdn_path_recurrence(**x, parents=parents, scale=0.3)[0]) <= TOL
+
+
+def hf_chunk_gated_delta_rule():
+    """transformers' torch implementation (unwrapped: the decorator may swap in fla's Triton kernel)."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5
+
+    return inspect.unwrap(modeling_qwen3_5.torch_chunk_gated_delta_rule)
+
+
+def check_chain_against_hf(x: dict, o: torch.Tensor, state: torch.Tensor) -> None:
+    """HF repeats q/k per value head itself in the model; it scales q by dk^-0.5 and (unasked) no l2norm."""
+    r = x["v"].shape[2] // x["q"].shape[2]
+    o_hf, s_hf = hf_chunk_gated_delta_rule()(
+        x["q"].cpu().repeat_interleave(r, 2), x["k"].cpu().repeat_interleave(r, 2), x["v"].cpu(), g=x["g"].cpu(),
+        beta=x["beta"].cpu(), chunk_size=64, initial_state=x["initial_state"].cpu(), output_final_state=True,
+        use_qk_l2norm_in_kernel=False)
+    assert rel_err(o, o_hf) <= TOL
+    assert rel_err(state, s_hf) <= TOL
+
+
+def test_reference_chain_matches_hf_chunk_rule() -> None:
+    x = make_inputs(1, 129, 2, 3, 16, 16, seed=3)
+    parents = trees(1, 129, "chain")
+    o, ctx = gdn_tree_verify_reference(**x, parents=parents)
+    check_chain_against_hf(x, o, gdn_tree_commit_reference(ctx, torch.ones(1, 129, dtype=torch.bool)))
+
+
+@pytest.mark.skipif(TRITON_INTERPRETED, reason="the CPU runs Triton's interpreter in this process")
+@pytest.mark.parametrize("kernel", ["chunk", "recurrent"])
+def test_cpu_tensors_run_the_twin(kernel: str) -> None:
+    x = make_inputs(1, 9, 1, 3, 16, 16)
+    parents = trees(1, 9, "binary")
+    o, ctx = gdn_tree_verify(**x, parents=parents, kernel=kernel)
+    o_ref, ctx_ref = gdn_tree_verify_reference(**x, parents=parents)
+    assert torch.equal(o, o_ref) and torch.equal(ctx.u, ctx_ref.u)
+    acc = accepted_mask(parents, [8])
+    assert torch.equal(gdn_tree_commit(ctx, acc), gdn_tree_commit_reference(ctx_ref, acc))
+
+
+def test_input_validation() -> None:
+    x = make_inputs(1, 8, 2, 3, 16, 16)
+    parents = trees(1, 8, "random")
+    with pytest.raises(ValueError, match="parents"):
+        gdn_tree_verify(**x, parents=parents[:, :5])
+    with pytest.raises(ValueError, match="v must be"):
+        gdn_tree_verify(**{**x, "v": x["v"][:, :, :5]}, parents=parents)
+    with pytest.raises(ValueError, match="initial_state"):
+        gdn_tree_verify(**{**x, "initial_state": x["initial_state"][:, :, :8]}, parents=parents)
+    with pytest.raises(ValueError, match="g and beta"):
+        gdn_tree_verify(**{**x, "g": x["g"][..., :2]}, parents=parents)
+    with pytest.raises(ValueError, match="kernel"):
+        gdn_tree_verify(**x, parents=parents, kernel="fused")
+    with pytest.raises(ValueError, match="block_size"):
+        gdn_tree_verify(**x, parents=parents, block_size=8)
+
+
+# ---- Triton (interpreter on the CPU, compiled on a GPU) --------------------------------------------
+
+@pytest.mark.parametrize("shape", TREE_SHAPES)
+def test_triton_chunk_matches_path_recurrence(shape: str, triton_device: str) -> None:
+    x = make_inputs(1, 37, 1, 3, 16, 16, seed=7, device=triton_device)
+    check_against_oracle(x, trees(1, 37, shape, seed=5), kernel="chunk")
+
+
+@pytest.mark.parametrize("N, block_size", [(1, 16), (16, 16), (21, 32), (40, 32), (70, 16)])
+def test_triton_chunk_block_edges_batch_and_dims(N: int, block_size: int, triton_device: str) -> None:
+    """N at and around block boundaries and past 64 (two bitset words), two different trees in a batch,
+    dv ≠ dk with two dv blocks."""
+    parents = torch.stack([random_parents(N, "best_first", seed=1), random_parents(N, "random", seed=2)])
+    x = make_inputs(2, N, 1, 3, 16, 48, seed=N, device=triton_device)
+    check_against_oracle(x, parents, kernel="chunk", block_size=block_size)
+
+
+def test_triton_chunk_chain_matches_hf_chunk_rule(triton_device: str) -> None:
+    x = make_inputs(1, 40, 1, 3, 32, 16, seed=11, device=triton_device)
+    parents = trees(1, 40, "chain").to(triton_device)
+    o, ctx = gdn_tree_verify(**x, parents=parents, ancestors=ancestor_bitsets(parents))
+    check_chain_against_hf(x, o, gdn_tree_commit(ctx, torch.ones(1, 40, dtype=torch.bool, device=triton_device)))
+
+
+@pytest.mark.parametrize("shape", ["best_first", "random"])
+def test_triton_recurrent_matches_path_recurrence(shape: str, triton_device: str) -> None:
+    x = make_inputs(1, 24, 1, 3, 16, 16, seed=13, device=triton_device)
+    check_against_oracle(x, trees(1, 24, shape, seed=3), kernel="recurrent")
+
+
+def test_triton_bf16_inputs_match_twin(triton_device: str) -> None:
+    """bf16 q/k/v (as in the model): Triton and the twin read the same values, so they agree to bf16 output rounding."""
+    x = make_inputs(1, 20, 1, 3, 16, 16, seed=17, device=triton_device, dtype=torch.bfloat16)
+    parents = trees(1, 20, "best_first").to(triton_device)
+    o, ctx = gdn_tree_verify(**x, parents=parents)
+    o_ref, ctx_ref = gdn_tree_verify_reference(**x, parents=parents)
+    assert o.dtype == torch.bfloat16 and rel_err(o, o_ref) <= 1e-2
+    assert rel_err(ctx.u, ctx_ref.u) <= TOL
+    acc = torch.ones(1, 20, dtype=torch.bool, device=triton_device)
+    acc[0, 10:] = False
+    assert rel_err(gdn_tree_commit(ctx, acc), gdn_tree_commit_reference(ctx_ref, acc)) <= TOL
+
+
+# ---- GPU, Qwen3.6-27B shapes --------------------------------------------------------------------------
+
+def gpu_case(N: int) -> tuple[dict, torch.Tensor]:
+    x = make_inputs(1, N, 16, 3, 128, 128, seed=N, device="cuda", dtype=torch.bfloat16)
+    return x, trees(1, N, "best_first").cuda()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel", ["chunk", "recurrent"])
+@pytest.mark.parametrize("N", [16, 32, 65, 129])
+def test_gpu_matches_twin_27b_shapes(N: int, kernel: str) -> None:
+    x, parents = gpu_case(N)
+    S0 = x["initial_state"].clone()
+    o, ctx = gdn_tree_verify(**x, parents=parents, kernel=kernel)
+    o_ref, ctx_ref = gdn_tree_verify_reference(**x, parents=parents)
+    assert rel_err(o, o_ref) <= 1e-2
+    acc = accepted_mask(parents.cpu(), [N - 1]).cuda()
+    assert rel_err(gdn_tree_commit(ctx, acc), gdn_tree_commit_reference(ctx_ref, acc)) <= 1e-3
+    assert torch.equal(x["initial_state"], S0)
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_replay() -> None:
+    """Verify + commit are capturable (no host sync) and replay to the same result."""
+    x, parents = gpu_case(65)
+    bits = ancestor_bitsets(parents)
+    acc = accepted_mask(parents.cpu(), [64]).cuda()
+    o_eager, ctx = gdn_tree_verify(**x, parents=parents, ancestors=bits)
+    S_eager = gdn_tree_commit(ctx, acc)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        o, ctx = gdn_tree_verify(**x, parents=parents, ancestors=bits)
+        S = gdn_tree_commit(ctx, acc)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(o, o_eager) and torch.equal(S, S_eager)
