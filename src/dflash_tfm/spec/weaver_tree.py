@@ -85,7 +85,7 @@ def build_weaver_tree(
     frontier_score = torch.full((n, c), float("-inf"), device=device)  # −inf: not published or consumed
     frontier_token = torch.zeros(n, c, dtype=torch.long, device=device)
     tokens[:1] = root_token.reshape(1)
-    ancestors[0, 0] = True
+    ancestors[:1, :1].fill_(True)  # (a Python-scalar setitem would copy from the host: not capturable)
 
     def expand(nodes: slice) -> None:
         """One batched Weaver step over node slots ``nodes``; publish each node's top-c children."""

@@ -1,0 +1,101 @@
+"""Target verify step (one forward over a proposal tree) of the Qwen3.6-27B-shaped random-weight target vs
+its autoregressive decode step (GPU script).
+
+For N = 1, 16, 65, 129 tree nodes (best-first shaped trees, depth <= 15) below a 1k-token context, the
+verify forward + logits and the commit of a depth-5 path are each captured in a CUDA graph and timed with
+CUDA events after warm-up (median). The AR step is the engine's captured decode step at the same context.
+
+    python benchmarks/bench_verify_step.py --out $OUT/verify_step.json [--kernel chunk|recurrent]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from benchmarks.bench_ar_decode import time_ms
+from dflash_tfm.config import ModelConfig
+from dflash_tfm.engine.model_runner import ModelRunner
+from dflash_tfm.loading.loader import build_model
+from dflash_tfm.models.presets import QWEN3_6_27B
+from dflash_tfm.models.random_init import init_random_
+from dflash_tfm.spec.tree import TreeSpec, random_parents
+
+
+def capture(fn):
+    """Warm up fn on a side stream, capture it, return (graph, its outputs)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ns", type=int, nargs="+", default=[1, 16, 65, 129])
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--kernel", default="chunk", choices=["chunk", "recurrent"])
+    ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    cfg = ModelConfig.from_dict(QWEN3_6_27B)
+    device = torch.device("cuda")
+    model = init_random_(build_model(cfg, device, torch.bfloat16, max_positions=args.context + 1024))
+    runner = ModelRunner(model, max_len=args.context + 512, device=device)
+    runner.reset()
+    L = args.context
+    runner.prefill(torch.randint(0, cfg.vocab_size, (L,), device=device))
+    token = torch.tensor([7], device=device)
+    runner.decode(token, L)  # capture the AR graph (it writes slot L, which verify never reads)
+    ar_ms = time_ms(lambda: runner.decode(token, L), args.iters)
+    print(f"AR decode step at context {L}: {ar_ms:.2f} ms", flush=True)
+    results = {"context": L, "ar_step_ms": ar_ms, "kernel": args.kernel, "verify": {}}
+    with torch.inference_mode():
+        for n in args.ns:
+            parents = random_parents(n, "best_first", seed=n, max_depth=15).to(device)
+            tokens = torch.randint(0, cfg.vocab_size, (n,), device=device)
+            tree = TreeSpec.build(tokens.view(1, -1), parents.view(1, -1), cache_len=L)
+            saved = {}
+
+            def verify():
+                hidden, _, s = model.verify(tree, runner.cache, L, gdn_kernel=args.kernel)
+                saved.update(s)
+                return model.logits(hidden[0])
+
+            graph, _ = capture(verify)
+            verify_ms = time_ms(graph.replay, args.iters)
+            depth = tree.depths[0]
+            path = [0]
+            while len(path) < 6 and (parents == path[-1]).any():
+                path.append(int((parents == path[-1]).nonzero()[0]))
+            accepted = torch.zeros(1, n, dtype=torch.bool, device=device)
+            accepted[0, path] = True
+            path_idx = torch.full((1, 16), -1, dtype=torch.long, device=device)
+            path_idx[0, : len(path)] = torch.tensor(path, device=device)
+            snapshot = [(s.clone(), w.clone()) for s, w in runner.cache.gdn.values()]
+            cgraph, _ = capture(lambda: model.commit(runner.cache, L, tree, saved, accepted, path_idx))
+            commit_ms = time_ms(cgraph.replay, args.iters)
+            for (s, w), (s0, w0) in zip(runner.cache.gdn.values(), snapshot):
+                s.copy_(s0)
+                w.copy_(w0)
+            results["verify"][n] = {"verify_ms": verify_ms, "commit_ms": commit_ms, "max_depth": int(depth.max())}
+            print(f"N={n}: verify {verify_ms:.2f} ms ({verify_ms / ar_ms:.2f}x AR), commit {commit_ms:.3f} ms", flush=True)
+            del graph, cgraph
+    print(f"\n| N | verify ms | / AR step | commit ms |  (AR step {ar_ms:.2f} ms, context {L}, GDN kernel {args.kernel})")
+    print("|---|---|---|---|")
+    for n, r in results["verify"].items():
+        print(f"| {n} | {r['verify_ms']:.2f} | {r['verify_ms'] / ar_ms:.2f}x | {r['commit_ms']:.3f} |")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
