@@ -27,3 +27,13 @@ def test_bad_model_path_is_one_line_error(capsys, tmp_path) -> None:
 def test_invalid_sampling_value_is_one_line_error(capsys) -> None:
     assert main(["generate", "--prompt", "x", "--temperature", "-1"]) == 2
     assert "temperature must be >= 0" in capsys.readouterr().err
+
+
+def test_serve_and_bench_subcommands_delegate_to_their_modules(capsys) -> None:
+    import pytest
+
+    for sub, marker in (("serve", "--speculative-dflash-tfm-tree-budget"), ("bench", "--per-dataset-limit")):
+        with pytest.raises(SystemExit) as exc:
+            main([sub, "--help"])
+        assert exc.value.code == 0
+        assert marker in capsys.readouterr().out

@@ -82,13 +82,18 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(gen)
     gen.set_defaults(func=cmd_generate)
 
-    bench = sub.add_parser("bench", help="benchmark a running server (same flags as python -m dflash_tfm.bench_dflash_tfm)",
-                           add_help=False)
+    sub.add_parser("serve", help="HTTP server (same flags as python -m dflash_tfm.launch_server)", add_help=False)
+    sub.add_parser("bench", help="benchmark a running server (same flags as python -m dflash_tfm.bench_dflash_tfm)",
+                   add_help=False)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["serve"]:  # the server owns its (original) flag set
+        from dflash_tfm.launch_server import main as serve_main
+
+        return serve_main(argv[1:])
     if argv[:1] == ["bench"]:  # the harness owns its (original) flag set
         from dflash_tfm.bench.harness import main as bench_main
 

@@ -1,0 +1,42 @@
+"""`python -m dflash_tfm.launch_server` (also `dflash-tfm serve`): load one engine and serve it over HTTP.
+
+Same flags as the original system's launcher (see `dflash_tfm.server.args`). Flag errors and load errors
+(missing checkpoint, impossible settings) print one `error:` line and exit with status 2 before any port is
+opened, so a benchmark waiting on /health fails fast instead of timing out.
+"""
+from __future__ import annotations
+
+import logging
+import sys
+
+from dflash_tfm.server.args import log_not_applicable, parse_server_args
+
+logger = logging.getLogger("dflash_tfm.server")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_server_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log_not_applicable(args)
+
+    import uvicorn
+
+    from dflash_tfm.cli import engine_from_args
+    from dflash_tfm.loading.errors import CheckpointError
+    from dflash_tfm.server.app import create_app
+
+    try:
+        engine = engine_from_args(args.engine_namespace())
+    except (FileNotFoundError, CheckpointError, ValueError, NotImplementedError) as e:
+        print(f"launch_server: error: {e}", file=sys.stderr)
+        return 2
+    logger.info("serving %s (max_model_len %d, speculative %s) on http://%s:%d; admitting up to %d requests",
+                engine.model_path, engine.max_model_len, args.speculative_algorithm or "off (autoregressive)",
+                args.host, args.port, args.max_admitted_requests)
+    uvicorn.run(create_app(engine, args), host=args.host, port=args.port, log_level=args.log_level,
+                timeout_graceful_shutdown=5)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,77 @@
+"""Prometheus metrics of one server, in its own registry (so several apps in one process never collide).
+
+Token counters move per generated token, from the engine worker, so a cancelled request counts exactly the
+tokens it really decoded. Latency histograms are observed when a request finishes normally.
+"""
+from __future__ import annotations
+
+from typing import Any, Awaitable, Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+PREFIX = "dflash_tfm"
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+ACCEPT_BUCKETS = (1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 7.0, 8.0, 10.0, 12.0, 16.0)
+
+
+class ServerMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(f"{PREFIX}_http_requests", "HTTP requests by endpoint and status code",
+                                ["endpoint", "status"], registry=r)
+        self.aborted = Counter(f"{PREFIX}_aborted_requests", "Requests cancelled before finishing (client left)",
+                               registry=r)
+        self.prompt_tokens = Counter(f"{PREFIX}_prompt_tokens", "Prompt tokens prefilled", registry=r)
+        self.generation_tokens = Counter(f"{PREFIX}_generation_tokens", "Tokens generated (counted as decoded)",
+                                         registry=r)
+        self.accept_length = Histogram(f"{PREFIX}_accept_length", "Tokens per target verify step (tau) per request",
+                                       buckets=ACCEPT_BUCKETS, registry=r)
+        self.e2e_latency = Histogram(f"{PREFIX}_e2e_request_latency_seconds", "Arrival to last token",
+                                     buckets=LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram(f"{PREFIX}_time_to_first_token_seconds", "Arrival to first token (queue wait included)",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.prefill = Histogram(f"{PREFIX}_prefill_seconds", "Prompt prefill time per request",
+                                 buckets=LATENCY_BUCKETS, registry=r)
+        self.decode = Histogram(f"{PREFIX}_decode_seconds", "First to last token per request",
+                                buckets=LATENCY_BUCKETS, registry=r)
+        self.running = Gauge(f"{PREFIX}_num_running_requests", "Requests being decoded (0 or 1)", registry=r)
+        self.queued = Gauge(f"{PREFIX}_num_queued_requests", "Admitted requests waiting for the engine", registry=r)
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of this registry."""
+        return generate_latest(self.registry)
+
+
+ASGIApp = Callable[[dict, Callable[[], Awaitable[dict]], Callable[[dict], Awaitable[None]]], Awaitable[None]]
+
+
+class RequestCounterMiddleware:
+    """Pure ASGI middleware counting every HTTP response by route and status.
+
+    Pure ASGI (not BaseHTTPMiddleware) so that `receive` reaches the routes untouched and disconnect
+    detection keeps working. Paths that match no route are counted as "other" to bound label cardinality.
+    """
+
+    def __init__(self, app: ASGIApp, metrics: ServerMetrics) -> None:
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope: dict, receive: Callable[[], Awaitable[dict]],
+                       send: Callable[[dict], Awaitable[None]]) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = 500  # what the client sees if the app raises before starting a response
+
+        async def send_and_record(message: dict[str, Any]) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_record)
+        finally:
+            route = scope.get("route")
+            endpoint = getattr(route, "path", None) or "other"
+            self.metrics.requests.labels(endpoint=endpoint, status=str(status)).inc()

@@ -1,0 +1,193 @@
+"""FIFO admission and the one worker thread that owns the engine.
+
+The engine is batch 1 and not thread-safe, so exactly one thread ever calls it: requests are admitted into a
+bounded FIFO (beyond the bound, `submit` raises `QueueFullError` and the server answers 503) and the worker
+runs them one after another. Deltas travel to the request's event loop through an asyncio.Queue filled with
+`loop.call_soon_threadsafe`. Cancelling a waiting job removes it at once; cancelling the running job sets a
+flag the worker checks between tokens, after which it closes the engine stream (which stops decoding).
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import threading
+import time
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
+
+from dflash_tfm.sampling_params import SamplingParams
+from dflash_tfm.server.metrics import ServerMetrics
+
+if TYPE_CHECKING:
+    from dflash_tfm.engine.engine import Engine, StreamDelta
+
+logger = logging.getLogger("dflash_tfm.server")
+
+
+class QueueFullError(Exception):
+    """Admission refused: the bound on running + waiting requests is reached."""
+
+
+class JobCancelled(Exception):
+    """The job was cancelled (its client left, or the server is shutting down) before it finished."""
+
+
+@dataclass(eq=False)
+class Job:
+    """One admitted request, shared by its HTTP handler (event loop) and the engine worker (thread)."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    loop: asyncio.AbstractEventLoop
+    arrived: float  # time.perf_counter() when the HTTP request arrived
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    finished: bool = False  # set by the worker (under the scheduler lock) before its last delivery
+    _items: asyncio.Queue = field(default_factory=asyncio.Queue)
+
+    def deliver(self, item: StreamDelta | BaseException) -> None:
+        """Hand a delta or an error to the handler; thread-safe. A closed loop means nobody listens any more."""
+        try:
+            self.loop.call_soon_threadsafe(self._items.put_nowait, item)
+        except RuntimeError:
+            self.cancelled.set()
+
+    async def next(self) -> StreamDelta:
+        """The next delta; raises JobCancelled, or the engine's error (ValueError for a bad request)."""
+        item = await self._items.get()
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+
+class Scheduler:
+    def __init__(self, engine: Engine, max_admitted: int, metrics: ServerMetrics) -> None:
+        if max_admitted < 1:
+            raise ValueError(f"max_admitted must be >= 1, got {max_admitted}")
+        self.engine, self.max_admitted, self.metrics = engine, max_admitted, metrics
+        self._waiting: collections.deque[Job] = collections.deque()
+        self._running: Job | None = None
+        self._cond = threading.Condition()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+
+    # ---- event-loop side -----------------------------------------------------------------------------
+    def start(self) -> None:
+        self._stopping = False
+        self._thread = threading.Thread(target=self._worker, name="dflash-tfm-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Cancel everything admitted and stop the worker after its current token."""
+        with self._cond:
+            self._stopping = True
+            for job in self._waiting:
+                job.cancelled.set()
+                job.deliver(JobCancelled("server shutting down"))
+            self._waiting.clear()
+            if self._running is not None:
+                self._running.cancelled.set()
+            self._publish_counts()
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams, arrived: float) -> Job:
+        """Admit a request at the back of the queue (call from the event loop); QueueFullError when full."""
+        job = Job(prompt_ids, params, asyncio.get_running_loop(), arrived)
+        with self._cond:
+            if self._stopping:
+                raise QueueFullError("server is shutting down")
+            admitted = len(self._waiting) + (self._running is not None)
+            if admitted >= self.max_admitted:
+                raise QueueFullError(
+                    f"server is at capacity: {admitted} requests admitted (1 decoding at a time, the rest waiting), "
+                    f"limit {self.max_admitted} (--max-queued-requests, default 16 x --max-running-requests); retry later"
+                )
+            self._waiting.append(job)
+            self._publish_counts()
+            self._cond.notify()
+        return job
+
+    def cancel(self, job: Job) -> None:
+        """Free the job's slot: a waiting job leaves the queue now, a running one stops before its next token.
+        Idempotent; a no-op once the job has finished."""
+        with self._cond:
+            if job.finished or job.cancelled.is_set():
+                return
+            if job in self._waiting:
+                self._waiting.remove(job)
+                self._publish_counts()
+            job.cancelled.set()
+            self.metrics.aborted.inc()
+        job.deliver(JobCancelled("request cancelled"))
+
+    # ---- worker side ---------------------------------------------------------------------------------
+    def _publish_counts(self) -> None:
+        """Update the gauges; call with the lock held."""
+        self.metrics.queued.set(len(self._waiting))
+        self.metrics.running.set(0 if self._running is None else 1)
+
+    def _worker(self) -> None:
+        while True:
+            with self._cond:
+                while not self._waiting and not self._stopping:
+                    self._cond.wait()
+                if self._stopping:
+                    return
+                job = self._running = self._waiting.popleft()
+                self._publish_counts()
+            try:
+                self._run(job)
+            except Exception:  # a bug here must not kill the only thread that serves requests
+                logger.exception("engine worker failed on a request")
+                self._finish(job)
+                job.deliver(RuntimeError("internal error in the engine worker"))
+            finally:
+                with self._cond:
+                    job.finished = True
+                    self._running = None
+                    self._publish_counts()
+
+    def _finish(self, job: Job) -> None:
+        """Mark the job finished before its last delivery, so a handler cleaning up afterwards does not count
+        it as aborted."""
+        with self._cond:
+            job.finished = True
+
+    def _run(self, job: Job) -> None:
+        """Decode one job, checking its cancel flag between tokens; closing the stream stops the engine."""
+        if job.cancelled.is_set():
+            return
+        m = self.metrics
+        stream = self.engine.stream(job.prompt_ids, job.params)
+        first_at: float | None = None
+        try:
+            for delta in stream:
+                now = time.perf_counter()
+                if first_at is None:
+                    first_at = now
+                    m.prompt_tokens.inc(len(job.prompt_ids))
+                    m.ttft.observe(now - job.arrived)
+                    m.prefill.observe(delta.stats.prefill_seconds)
+                m.generation_tokens.inc(len(delta.token_ids))
+                delta = replace(delta, stats=replace(delta.stats))  # the engine reuses its stats object
+                if delta.finish_reason is not None:
+                    self._finish(job)
+                    job.deliver(delta)
+                    m.decode.observe(now - first_at)
+                    m.e2e_latency.observe(now - job.arrived)
+                    m.accept_length.observe(delta.stats.accept_length)
+                    return
+                job.deliver(delta)
+                if job.cancelled.is_set():
+                    return
+        except ValueError as e:  # the engine rejected the request (prompt too long, bad ids, ...)
+            self._finish(job)
+            job.deliver(e)
+        finally:
+            stream.close()

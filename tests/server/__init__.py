@@ -1,0 +1,135 @@
+"""Shared helpers of the server tests: one real server process and one reference engine per test session.
+
+Both are process-wide singletons (not pytest fixtures defined here) so that the API and error modules share a
+single ~15 s model load each; the server is terminated when the test process exits.
+"""
+from __future__ import annotations
+
+import atexit
+import contextlib
+import functools
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+MAX_MODEL_LEN = 1024
+STARTUP_TIMEOUT_S = 240.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class ServerProcess:
+    proc: subprocess.Popen
+    base_url: str
+    log_path: str
+
+    def log_tail(self, chars: int = 4000) -> str:
+        with open(self.log_path, errors="replace") as f:
+            return f.read()[-chars:]
+
+    def stop(self) -> None:
+        """Terminate the server and remove its log (startup failures already quoted it in their error)."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.log_path)
+
+
+@functools.cache
+def launch_server_process() -> ServerProcess:
+    """Start `python -m dflash_tfm.launch_server` on the embedded model; returns at once (see shared_server)."""
+    port = free_port()
+    log = tempfile.NamedTemporaryFile("w", prefix="dflash_tfm_server_", suffix=".log", delete=False)
+    cmd = [sys.executable, "-m", "dflash_tfm.launch_server", "--host", "127.0.0.1", "--port", str(port),
+           "--device", "cpu", "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN), "--log-level", "warning",
+           "--page-size", "1", "--disable-radix-cache"]  # not-applicable flags must not stop the server
+    # one intra-op thread: the server and this process's reference engine share the CPU without oversubscribing
+    env = {**os.environ, "TQDM_DISABLE": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    server = ServerProcess(proc, f"http://127.0.0.1:{port}", log.name)
+    atexit.register(server.stop)
+    return server
+
+
+@functools.cache
+def shared_server() -> ServerProcess:
+    """The launched server once /health answers (it loads the model first)."""
+    server = launch_server_process()
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if server.proc.poll() is not None:
+            raise RuntimeError(f"server exited with {server.proc.returncode}:\n{server.log_tail()}")
+        try:
+            if httpx.get(f"{server.base_url}/health", timeout=2.0).status_code == 200:
+                return server
+        except httpx.TransportError:
+            pass
+        time.sleep(0.5)
+    tail = server.log_tail()
+    server.stop()
+    raise RuntimeError(f"server not healthy after {STARTUP_TIMEOUT_S:.0f}s:\n{tail}")
+
+
+@contextlib.contextmanager
+def one_torch_thread() -> Iterator[None]:
+    """Run this process's torch on one intra-op thread (restored after): next to the server process on a
+    small shared CPU, OpenMP spin-waiting otherwise slows both several-fold."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+@functools.cache
+def reference_engine():
+    """The same model in this process: the server's outputs at temperature 0 must equal its own."""
+    from dflash_tfm import Engine
+
+    return Engine(device="cpu", dtype="float32", max_model_len=MAX_MODEL_LEN, progress=False)
+
+
+def scrape(base_url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """/metrics parsed with prometheus_client's parser: {(sample name, sorted labels): value}."""
+    text = httpx.get(f"{base_url}/metrics", timeout=10.0).text
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def in_flight(metrics: dict) -> float:
+    """Running + queued requests according to the gauges."""
+    return metrics[("dflash_tfm_num_running_requests", ())] + metrics[("dflash_tfm_num_queued_requests", ())]
+
+
+def wait_idle(base_url: str, timeout: float = 20.0) -> dict:
+    """Poll /metrics until no request is running or queued; returns that scrape."""
+    deadline = time.monotonic() + timeout
+    while True:
+        metrics = scrape(base_url)
+        if in_flight(metrics) == 0 or time.monotonic() > deadline:
+            return metrics
+        time.sleep(0.1)

@@ -1,0 +1,113 @@
+"""Launch flags: the original flag set is accepted, inapplicable flags are logged, impossible ones rejected."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from dflash_tfm.launch_server import main
+from dflash_tfm.server.args import DEFAULT_MAX_ADMITTED, ServerArgs, parse_server_args
+
+ORIGINAL_FLAGS = [
+    "--model-path", "/models/Qwen3.6-27B", "--dtype", "bfloat16", "--tp-size", "1", "--max-running-requests", "4",
+    "--cuda-graph-max-bs", "8", "--mem-fraction-static", "0.85", "--page-size", "64", "--disable-radix-cache",
+    "--attention-backend", "fa3", "--decode-attention-backend", "flashinfer", "--prefill-attention-backend", "fa3",
+    "--speculative-draft-attention-backend", "fa3", "--speculative-algorithm", "DFLASH_TFM",
+    "--speculative-draft-model-path", "/models/dflash", "--speculative-dflash-block-size", "16",
+    "--speculative-num-draft-tokens", "16", "--speculative-dflash-tfm-path", "/models/weaver.pth",
+    "--speculative-dflash-tfm-tree-budget", "64", "--speculative-gdn-verify-kernel", "recurrent",
+    "--disable-overlap-schedule", "--host", "0.0.0.0", "--port", "30001",
+]
+
+
+def rejected(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    """The one error line printed when `argv` is refused (argparse style: exit status 2)."""
+    with pytest.raises(SystemExit) as e:
+        parse_server_args(argv)
+    assert e.value.code == 2
+    return capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_original_flags_accepted_and_inapplicable_ones_logged(caplog: pytest.LogCaptureFixture) -> None:
+    from dflash_tfm.server.args import log_not_applicable
+
+    args = parse_server_args(ORIGINAL_FLAGS)
+    assert (args.model_path, args.dtype, args.host, args.port) == ("/models/Qwen3.6-27B", "bfloat16", "0.0.0.0", 30001)
+    assert args.speculative_algorithm == "DFLASH_TFM"
+    assert (args.speculative_dflash_block_size, args.speculative_dflash_tfm_tree_budget) == (16, 64)
+    assert args.speculative_gdn_verify_kernel == "recurrent"
+    assert args.max_admitted_requests == 4 * 16
+    with caplog.at_level(logging.WARNING, logger="dflash_tfm.server"):
+        log_not_applicable(args)
+    logged = caplog.text
+    for flag in ("--cuda-graph-max-bs=8", "--mem-fraction-static=0.85", "--page-size=64", "--disable-radix-cache",
+                 "--attention-backend=fa3", "--decode-attention-backend=flashinfer", "--prefill-attention-backend=fa3",
+                 "--speculative-draft-attention-backend=fa3", "--disable-overlap-schedule",
+                 "--max-running-requests=4"):
+        assert f"{flag} accepted but not applicable" in logged, flag
+    assert "--tp-size" not in logged and "--model-path" not in logged  # applicable flags are not flagged
+
+
+def test_engine_namespace_has_what_engine_from_args_reads() -> None:
+    ns = parse_server_args(ORIGINAL_FLAGS).engine_namespace()
+    assert ns.speculative_dflash_tfm_path == "/models/weaver.pth" and ns.disable_cuda_graph is False
+    assert not hasattr(ns, "port") and not hasattr(ns, "not_applicable")
+
+
+def test_defaults_are_autoregressive_and_quiet() -> None:
+    args = parse_server_args([])
+    assert args == ServerArgs()
+    assert args.speculative_algorithm is None and args.not_applicable == {}
+    assert args.max_admitted_requests == DEFAULT_MAX_ADMITTED
+    assert parse_server_args(["--speculative-algorithm", "none"]).speculative_algorithm is None
+
+
+def test_admission_bound_flags() -> None:
+    assert parse_server_args(["--max-running-requests", "1"]).max_admitted_requests == 16
+    assert parse_server_args(["--max-running-requests", "1", "--max-queued-requests", "3"]).max_admitted_requests == 3
+
+
+def test_num_draft_tokens_alone_sets_block_size() -> None:
+    args = parse_server_args(["--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", "/d",
+                              "--speculative-num-draft-tokens", "8"])
+    assert args.speculative_dflash_block_size == 8
+    assert args.speculative_info()["speculative_dflash_tfm_tree_budget"] is None  # chain: no tree
+
+
+DFLASH = ["--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", "/d"]
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--tp-size", "2"], "--tp-size 2 is not supported"),
+    (["--revision", "main"], "--revision is not supported"),
+    (DFLASH + ["--speculative-draft-model-revision", "abc"], "--speculative-draft-model-revision is not supported"),
+    (DFLASH + ["--speculative-num-draft-tokens", "8", "--speculative-dflash-block-size", "16"],
+     "--speculative-num-draft-tokens 8 differs from --speculative-dflash-block-size 16"),
+    (["--speculative-dflash-tfm-tree-budget", "32"], "--speculative-dflash-tfm-tree-budget given without --speculative-algorithm"),
+    (["--speculative-draft-model-path", "/d", "--speculative-num-draft-tokens", "16"],
+     "--speculative-draft-model-path, --speculative-num-draft-tokens given without --speculative-algorithm"),
+    (["--speculative-algorithm", "DDTREE", "--speculative-draft-model-path", "/d",
+      "--speculative-dflash-tfm-tree-budget", "0"], "--speculative-dflash-tfm-tree-budget must be >= 1, got 0"),
+    (DFLASH + ["--speculative-dflash-block-size", "1"], "--speculative-dflash-block-size must be >= 2"),
+    (["--speculative-algorithm", "EAGLE"], "invalid choice: 'EAGLE'"),
+    (["--speculative-algorithm", "DFLASH"], "needs --speculative-draft-model-path"),
+    (DFLASH[:1] + ["DFLASH_TFM"] + DFLASH[2:], "needs --speculative-dflash-tfm-path"),
+    (DFLASH[:1] + ["DDTREE"] + DFLASH[2:] + ["--speculative-dflash-tfm-path", "/w"], "only used by DFLASH_TFM"),
+    (["--max-running-requests", "0"], "--max-running-requests must be >= 1"),
+    (["--port", "70000"], "--port must be in [0, 65535]"),
+    (["--page-size", "big"], "invalid int value: 'big'"),
+])
+def test_impossible_flags_rejected_at_start(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    line = rejected(argv, capsys)
+    assert "error:" in line and message in line, line
+
+
+def test_tree_budget_with_chain_algorithm_is_logged_not_used() -> None:
+    args = parse_server_args(DFLASH + ["--speculative-dflash-tfm-tree-budget", "32"])
+    assert "--speculative-dflash-tfm-tree-budget=32" in args.not_applicable
+
+
+def test_main_reports_load_error_without_serving(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--model-path", str(tmp_path / "missing"), "--device", "cpu", "--port", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "launch_server: error:" in err and "missing" in err and "Traceback" not in err

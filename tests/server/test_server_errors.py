@@ -1,0 +1,226 @@
+"""Bad requests get a 4xx OpenAI-style JSON error and the server keeps serving; abandoned requests free their
+slot at once and stop decoding; admission beyond the limit is a 503.
+
+The first part drives the real server process; the admission/queue tests use a fake slow engine behind the
+real app in an in-process uvicorn, so queue states are reached deterministically without model time.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from types import SimpleNamespace
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from dflash_tfm.engine.engine import StreamDelta
+from dflash_tfm.engine.result import GenerationStats
+from dflash_tfm.sampling_params import SamplingParams
+from dflash_tfm.server.app import create_app
+from dflash_tfm.server.args import ServerArgs
+from tests.server import MAX_MODEL_LEN, ServerProcess, free_port, in_flight, scrape, shared_server, wait_idle
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+GENERATE = "/generate"
+MSGS = [{"role": "user", "content": "hi"}]
+LONG = 400  # max_tokens of requests the tests abandon: far more than they may decode before being stopped
+
+
+@pytest.fixture(scope="module")
+def server() -> ServerProcess:
+    return shared_server()
+
+
+BAD_REQUESTS = [
+    # (id, path, raw body or JSON, status, text expected in the message, param)
+    ("malformed-json", CHAT, b'{"messages": [', 400, "malformed JSON", None),
+    ("empty-body", COMPLETIONS, b"", 400, "body is empty", None),
+    ("not-an-object", COMPLETIONS, b"[1, 2]", 400, "JSON object", None),
+    ("missing-messages", CHAT, {"max_tokens": 4}, 400, "field required", "messages"),
+    ("missing-prompt", COMPLETIONS, {"max_tokens": 4}, 400, "field required", "prompt"),
+    ("max-tokens-string", COMPLETIONS, {"prompt": "x", "max_tokens": "4"}, 400, "valid integer", "max_tokens"),
+    ("temperature-string", CHAT, {"messages": MSGS, "temperature": "hot"}, 400, "valid number", "temperature"),
+    ("messages-not-list", CHAT, {"messages": "hi"}, 400, "messages", "messages"),
+    ("prompt-wrong-type", COMPLETIONS, {"prompt": 5}, 400, "wrong type", "prompt"),
+    ("negative-max-tokens", COMPLETIONS, {"prompt": "x", "max_tokens": -3}, 400, ">= 1", "max_tokens"),
+    ("zero-max-tokens", CHAT, {"messages": MSGS, "max_tokens": 0}, 400, ">= 1", "max_tokens"),
+    ("huge-max-tokens", COMPLETIONS, {"prompt": "x", "max_tokens": 10**9}, 400, f"context is {MAX_MODEL_LEN} tokens",
+     "max_tokens"),
+    ("huge-max-new-tokens", GENERATE, {"text": "x", "sampling_params": {"max_new_tokens": 5000}}, 400, "5001",
+     "sampling_params.max_new_tokens"),
+    ("negative-temperature", CHAT, {"messages": MSGS, "temperature": -0.5}, 400, "temperature must be >= 0",
+     "temperature"),
+    ("top-p-zero", COMPLETIONS, {"prompt": "x", "top_p": 0.0}, 400, "top_p must be in (0, 1]", "top_p"),
+    ("top-p-above-one", GENERATE, {"text": "x", "sampling_params": {"top_p": 1.5}}, 400, "top_p", "top_p"),
+    ("prompt-over-context", COMPLETIONS, {"prompt": "hello " * 1500}, 400, f"context is {MAX_MODEL_LEN}", "prompt"),
+    ("ids-out-of-vocab", COMPLETIONS, {"prompt": [1, 2, 10**6]}, 400, "out of range", "prompt"),
+    ("negative-id", GENERATE, {"input_ids": [-1, 5]}, 400, "out of range", "input_ids"),
+    ("empty-prompt", COMPLETIONS, {"prompt": ""}, 400, "prompt is empty", "prompt"),
+    ("empty-ids", GENERATE, {"input_ids": []}, 400, "prompt is empty", "input_ids"),
+    ("empty-messages", CHAT, {"messages": []}, 400, "messages must not be empty", "messages"),
+    ("n-two", CHAT, {"messages": MSGS, "n": 2}, 400, "n must be 1", "n"),
+    ("batch-prompts", COMPLETIONS, {"prompt": ["a", "b"]}, 400, "one prompt per request", "prompt"),
+    ("text-and-ids", GENERATE, {"text": "x", "input_ids": [1]}, 400, "exactly one of text or input_ids", "text"),
+    ("unknown-sampling-key", GENERATE, {"text": "x", "sampling_params": {"temprature": 0}}, 400, "unknown field",
+     "sampling_params.temprature"),
+    ("image-part", CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400,
+     "only text parts", "messages.0.content"),
+    ("unsupported-penalty", CHAT, {"messages": MSGS, "presence_penalty": 1.0}, 400, "presence_penalty",
+     "presence_penalty"),
+    ("unknown-path", "/v1/embeddings", {"input": "x"}, 404, "Not Found", None),
+    ("wrong-method", GENERATE, None, 405, "Method Not Allowed", None),
+]
+
+
+@pytest.mark.parametrize("path,body,status,text,param", [b[1:] for b in BAD_REQUESTS], ids=[b[0] for b in BAD_REQUESTS])
+def test_bad_request_gets_json_error(server: ServerProcess, path: str, body: object, status: int, text: str,
+                                     param: str | None) -> None:
+    url = server.base_url + path
+    if body is None:
+        r = httpx.get(url, timeout=30.0)
+    elif isinstance(body, bytes):
+        r = httpx.post(url, content=body, headers={"content-type": "application/json"}, timeout=30.0)
+    else:
+        r = httpx.post(url, json=body, timeout=30.0)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert text in error["message"], error
+    assert error["code"] == status and error["type"] and error["param"] == param
+
+
+def test_server_keeps_serving_after_bad_requests(server: ServerProcess) -> None:
+    metrics = wait_idle(server.base_url)
+    assert in_flight(metrics) == 0  # refused requests hold no slot
+    assert httpx.get(f"{server.base_url}/health").status_code == 200
+    body = {"prompt": "Hello", "max_tokens": 3, "temperature": 0}
+    assert httpx.post(f"{server.base_url}{COMPLETIONS}", json=body, timeout=60.0).json()["usage"]["completion_tokens"] > 0
+
+
+def test_openai_client_sees_bad_request_error(server: ServerProcess) -> None:
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="any", messages=MSGS, n=2)
+    assert e.value.status_code == 400 and "n must be 1" in str(e.value)
+
+
+def _assert_slot_freed_and_decoding_stopped(server: ServerProcess, before: dict) -> None:
+    """After a client walked away from a LONG request: nothing in flight, few tokens decoded, next one fast."""
+    after = wait_idle(server.base_url, timeout=15.0)
+    assert in_flight(after) == 0
+    decoded = after[("dflash_tfm_generation_tokens_total", ())] - before[("dflash_tfm_generation_tokens_total", ())]
+    assert decoded < LONG // 4, decoded
+    assert after[("dflash_tfm_aborted_requests_total", ())] == before[("dflash_tfm_aborted_requests_total", ())] + 1
+    start = time.monotonic()
+    body = {"prompt": "Hi", "max_tokens": 2, "temperature": 0}
+    assert httpx.post(f"{server.base_url}{COMPLETIONS}", json=body, timeout=60.0).status_code == 200
+    assert time.monotonic() - start < 10.0
+
+
+def test_stream_disconnect_frees_slot_and_stops_decoding(server: ServerProcess) -> None:
+    before = wait_idle(server.base_url)
+    body = {"prompt": "Once upon a time", "max_tokens": LONG, "temperature": 0, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{server.base_url}{COMPLETIONS}", json=body, timeout=60.0) as r:
+        assert r.status_code == 200
+        next(line for line in r.iter_lines() if line.startswith("data: "))
+    _assert_slot_freed_and_decoding_stopped(server, before)
+
+
+def test_non_stream_disconnect_cancels_job(server: ServerProcess) -> None:
+    before = wait_idle(server.base_url)
+    body = {"text": "Once upon a time", "sampling_params": {"max_new_tokens": LONG, "ignore_eos": True}}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.base_url}{GENERATE}", json=body, timeout=httpx.Timeout(10.0, read=1.5))
+    _assert_slot_freed_and_decoding_stopped(server, before)
+
+
+# ---- admission and queue states with a fake engine ------------------------------------------------------
+
+class SlowEngine:
+    """Just enough of Engine for the app: every request yields up to max_new_tokens tokens, 20 ms apart."""
+
+    model_path = "fake-model"
+    max_model_len = 1024
+    config = SimpleNamespace(vocab_size=100)
+    eos_token_ids = {0}
+
+    def __init__(self) -> None:
+        self.tokens = 0
+        self.prompts: list[list[int]] = []
+
+    def encode_prompt(self, prompt: str | list[int], chat: bool = False, enable_thinking: bool | None = None) -> list[int]:
+        return [1 + ord(c) % 99 for c in prompt] if isinstance(prompt, str) else list(prompt)
+
+    def stream(self, prompt: list[int], params: SamplingParams) -> Iterator[StreamDelta]:
+        self.prompts.append(prompt)
+        stats = GenerationStats(prompt_tokens=len(prompt))
+        for i in range(params.max_new_tokens):
+            time.sleep(0.02)
+            self.tokens += 1
+            stats.completion_tokens = stats.verify_steps = i + 1
+            yield StreamDelta([5], "x", "length" if i + 1 == params.max_new_tokens else None, stats)
+
+
+@pytest.fixture()
+def fake_server() -> Iterator[tuple[str, SlowEngine]]:
+    engine = SlowEngine()
+    port = free_port()
+    app = create_app(engine, ServerArgs(max_admitted_requests=2))  # type: ignore[arg-type]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.02)
+    yield f"http://127.0.0.1:{port}", engine
+    server.should_exit = True
+    thread.join(10)
+
+
+def _wait(base_url: str, running: int, queued: int) -> None:
+    """Poll the gauges until (running, queued) is reached; fail after 5 s."""
+    deadline = time.monotonic() + 5.0
+    while True:
+        m = scrape(base_url)
+        now = (m[("dflash_tfm_num_running_requests", ())], m[("dflash_tfm_num_queued_requests", ())])
+        if now == (running, queued):
+            return
+        assert time.monotonic() < deadline, f"(running, queued) = {now}, expected {(running, queued)}"
+        time.sleep(0.02)
+
+
+def test_admission_limit_503_and_queued_client_leaving_frees_its_slot(fake_server: tuple[str, SlowEngine]) -> None:
+    url, engine = fake_server
+    gave_up: list[bool] = []
+
+    def impatient() -> None:
+        try:
+            httpx.post(f"{url}{COMPLETIONS}", json={"prompt": "?", "max_tokens": 5}, timeout=httpx.Timeout(5.0, read=2.0))
+        except httpx.ReadTimeout:
+            gave_up.append(True)
+
+    with httpx.stream("POST", f"{url}{COMPLETIONS}", json={"prompt": "ab", "max_tokens": 1000, "stream": True},
+                      timeout=30.0) as running:
+        lines = running.iter_lines()  # keep a reference: a collected iterator closes the response
+        assert running.status_code == 200 and next(lines).startswith("data: ")
+        _wait(url, 1, 0)
+        leaver = threading.Thread(target=impatient)
+        leaver.start()
+        _wait(url, 1, 1)  # queued behind the running stream...
+        leaver.join()
+        assert gave_up
+        _wait(url, 1, 0)  # ...and gone from the queue as soon as its client left, while the stream still runs
+        waiting = threading.Thread(target=httpx.post, args=(f"{url}{COMPLETIONS}",),
+                                   kwargs={"json": {"prompt": "w", "max_tokens": 2}, "timeout": 30.0})
+        waiting.start()
+        _wait(url, 1, 1)
+        r = httpx.post(f"{url}{COMPLETIONS}", json={"prompt": "z", "max_tokens": 2}, timeout=30.0)
+        assert r.status_code == 503 and r.headers["retry-after"] == "1"
+        assert r.json()["error"]["code"] == 503 and "limit 2" in r.json()["error"]["message"]
+    waiting.join(30)
+    _wait(url, 0, 0)
+    assert engine.encode_prompt("?") not in engine.prompts  # the abandoned queued job never ran
+    assert engine.tokens < 500  # the abandoned stream stopped long before its 1000 tokens
+    assert httpx.post(f"{url}{COMPLETIONS}", json={"prompt": "ok", "max_tokens": 2}, timeout=30.0).status_code == 200
