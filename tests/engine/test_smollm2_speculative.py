@@ -1,0 +1,38 @@
+"""Speculative modes on the real embedded target (SmolLM2-135M-Instruct) with random drafters and Weavers in
+the published formats: greedy output equals plain greedy decoding token for token, through `Engine`."""
+from __future__ import annotations
+
+import pytest
+
+from dflash_tfm import Engine, SamplingParams
+from dflash_tfm.engine.decoder_factory import build_decoder
+from dflash_tfm.spec.fixtures import write_random_dflash_checkpoint
+from dflash_tfm.spec.weaver_fixtures import write_random_weaver_checkpoint
+
+CHAT = [{"role": "user", "content": "List three facts about the moon."}]
+NEW_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def checkpoints(smollm2: Engine, tmp_path_factory):
+    root = tmp_path_factory.mktemp("smollm2_spec")
+    cfg = smollm2.config
+    write_random_dflash_checkpoint(root / "dflash", cfg, num_layers=1, block_size=16, target_layer_ids=[1, 15, 28])
+    write_random_weaver_checkpoint(root / "weaver.pth", cfg, variant=1)
+    return root
+
+
+@pytest.mark.parametrize("algo, budget", [("DFLASH", 1), ("DDTREE", 64), ("DFLASH_TFM", 64)])
+def test_speculative_greedy_equals_plain_greedy(smollm2: Engine, checkpoints, algo: str, budget: int) -> None:
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    plain = smollm2.generate(CHAT, params)
+    ar_decoder = smollm2.decoder
+    try:
+        smollm2.decoder = build_decoder(smollm2.runner, smollm2.config, algo, checkpoints / "dflash",
+                                        checkpoints / "weaver.pth", budget, None, "chunk")
+        spec = smollm2.generate(CHAT, params)
+    finally:
+        smollm2.decoder = ar_decoder
+    assert spec.token_ids == plain.token_ids and spec.text == plain.text
+    assert spec.stats.verify_steps <= plain.stats.verify_steps
+    assert spec.stats.verify_seconds > 0 and spec.stats.draft_seconds > 0 and spec.stats.tree_seconds > 0
