@@ -11,8 +11,9 @@ from torch import nn
 
 from dflash_tfm.config import ModelConfig
 from dflash_tfm.kernels.attention.tree_attention import compact_accepted_kv, tree_attention
-from dflash_tfm.layers.norm import RMSNorm
-from dflash_tfm.layers.rotary import RotaryEmbedding
+from dflash_tfm.layers.compile import fuse_on_cuda
+from dflash_tfm.layers.norm import RMSNorm, rms_norm
+from dflash_tfm.layers.rotary import RotaryEmbedding, apply_rotary
 
 
 class Attention(nn.Module):
@@ -41,16 +42,16 @@ class Attention(nn.Module):
         q = q.reshape(B, T, self.num_heads, self.head_dim)
         k = k.view(B, T, self.num_kv_heads, self.head_dim)
         v = v.view(B, T, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope(q, k, positions)
+        norms = (None, None, 0.0, False) if self.q_norm is None else (
+            self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, self.q_norm.plus_one)
+        q, k = qk_norm_rope(q, k, *norms, rope.cos_table, rope.sin_table, positions, rope.rotary_dim)
         return q, k, v, gate
 
     def output(self, o: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
         """o [B, T, H, D] -> [B, T, hidden] through the sigmoid gate (if any) and o_proj."""
         o = o.reshape(*o.shape[:2], -1)
         if gate is not None:
-            o = o * torch.sigmoid(gate)
+            o = sigmoid_gate(o, gate)
         return F.linear(o, self.o_proj)
 
     def forward(
@@ -99,6 +100,22 @@ class Attention(nn.Module):
         """Write the accepted path's K/V (root first, -1 padded) into cache slots L .. L+a."""
         k, v = saved
         compact_accepted_kv(k_cache, v_cache, cache_len, k, v, path_indices)
+
+
+@fuse_on_cuda
+def qk_norm_rope(
+    q: torch.Tensor, k: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
+    plus_one: bool, cos_table: torch.Tensor, sin_table: torch.Tensor, positions: torch.Tensor, rotary_dim: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-head q/k RMSNorm (if the model has it) then RoPE, as one fusable function."""
+    if q_norm is not None:
+        q, k = rms_norm.__wrapped__(q, q_norm, eps, plus_one), rms_norm.__wrapped__(k, k_norm, eps, plus_one)
+    return apply_rotary(q, k, cos_table, sin_table, positions, rotary_dim)
+
+
+@fuse_on_cuda
+def sigmoid_gate(o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    return o * torch.sigmoid(gate)
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:

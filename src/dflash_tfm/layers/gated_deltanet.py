@@ -3,6 +3,8 @@
 The four input projections are fused into one `in_proj` matrix laid out [q | k | v | z | b | a] (loader's
 job), so the decode step does one GEMV. The recurrence per value head j (key head j // (HV/HK)):
 S <- e^g S;  u = beta (v - S^T k);  S <- S + k u^T;  o = S^T q  (q, k L2-normalised, q scaled dk^-0.5).
+Everything between the GEMVs and the recurrence (split, short conv, SiLU, l2norm, beta, g) is one
+pure function, `gdn_inputs`, fused by inductor on CUDA.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from dflash_tfm.kernels.gdn.prefill import gdn_prefill
 from dflash_tfm.kernels.gdn.tree_commit import gdn_tree_commit
 from dflash_tfm.kernels.gdn.tree_reference import GDNTreeContext
 from dflash_tfm.kernels.gdn.tree_verify import gdn_tree_verify
+from dflash_tfm.layers.compile import fuse_on_cuda
 from dflash_tfm.layers.norm import gated_rms_norm
 from dflash_tfm.layers.short_conv import causal_conv1d
 
@@ -27,12 +30,50 @@ def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)
 
 
+def split_projection(
+    proj: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, conv_dim: int, hv: int, dv: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """in_proj output [B, T, *] -> (conv input [B, T, conv_dim], z [B, T, HV, dv], beta, g [B, T, HV] fp32)."""
+    B, T, _ = proj.shape
+    mixed, z, b, a = proj.split([conv_dim, hv * dv, hv, hv], dim=-1)
+    beta = torch.sigmoid(b).float()
+    g = -A_log.float().exp() * F.softplus(a.float() + dt_bias.float())
+    return mixed, z.reshape(B, T, hv, dv), beta, g
+
+
+def split_heads(conv_out: torch.Tensor, hk: int, dk: int, hv: int, dv: int) -> tuple[torch.Tensor, ...]:
+    """conv output [B, T, conv_dim] -> q, k [B, T, HK, dk] (L2-normalised) and v [B, T, HV, dv]."""
+    B, T, _ = conv_out.shape
+    q, k, v = conv_out.split([hk * dk, hk * dk, hv * dv], dim=-1)
+    dtype = conv_out.dtype
+    q = l2_normalize(q.reshape(B, T, hk, dk)).to(dtype)
+    k = l2_normalize(k.reshape(B, T, hk, dk)).to(dtype)
+    return q, k, v.reshape(B, T, hv, dv)
+
+
+# The verify pass runs the tree conv kernel between these two steps, so each is fused on its own there.
+fused_split_projection = fuse_on_cuda(split_projection)
+fused_split_heads = fuse_on_cuda(split_heads)
+
+
+@fuse_on_cuda
+def gdn_inputs(
+    proj: torch.Tensor, conv_weight: torch.Tensor, conv_window: torch.Tensor, A_log: torch.Tensor,
+    dt_bias: torch.Tensor, hk: int, dk: int, hv: int, dv: int,
+) -> tuple[torch.Tensor, ...]:
+    """in_proj output -> (q, k, v, z, beta, g, new conv window) for T tokens following `conv_window`."""
+    mixed, z, beta, g = split_projection(proj, A_log, dt_bias, 2 * hk * dk + hv * dv, hv, dv)
+    conv_out, new_window = causal_conv1d(mixed, conv_weight, conv_window)
+    q, k, v = split_heads(conv_out, hk, dk, hv, dv)
+    return q, k, v, z, beta, g, new_window
+
+
 class GatedDeltaNet(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.hk, self.hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
         self.dk, self.dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
-        self.key_dim, self.value_dim, self.conv_dim = cfg.gdn_key_dim, cfg.gdn_value_dim, cfg.gdn_conv_dim
+        self.value_dim, self.conv_dim = cfg.gdn_value_dim, cfg.gdn_conv_dim
         self.eps = cfg.rms_norm_eps
         self.in_proj = nn.Parameter(torch.empty(self.conv_dim + self.value_dim + 2 * self.hv, cfg.hidden_size))
         self.conv_weight = nn.Parameter(torch.empty(self.conv_dim, cfg.linear_conv_kernel_dim))
@@ -40,23 +81,6 @@ class GatedDeltaNet(nn.Module):
         self.dt_bias = nn.Parameter(torch.empty(self.hv))
         self.norm_weight = nn.Parameter(torch.empty(self.dv))
         self.out_proj = nn.Parameter(torch.empty(cfg.hidden_size, self.value_dim))
-
-    def gates(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [B, T, hidden] -> (conv input [B, T, conv_dim], z [B, T, HV, dv], beta, g [B, T, HV] fp32)."""
-        B, T, _ = x.shape
-        mixed, z, b, a = F.linear(x, self.in_proj).split([self.conv_dim, self.value_dim, self.hv, self.hv], dim=-1)
-        beta = torch.sigmoid(b).float()
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
-        return mixed, z.reshape(B, T, self.hv, self.dv), beta, g
-
-    def split_heads(self, conv_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """conv output [B, T, conv_dim] -> q, k [B, T, HK, dk] (L2-normalised) and v [B, T, HV, dv]."""
-        B, T, _ = conv_out.shape
-        q, k, v = conv_out.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        dtype = conv_out.dtype
-        q = l2_normalize(q.reshape(B, T, self.hk, self.dk)).to(dtype)
-        k = l2_normalize(k.reshape(B, T, self.hk, self.dk)).to(dtype)
-        return q, k, v.reshape(B, T, self.hv, self.dv)
 
     def output(self, o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """o, z [B, T, HV, dv] -> [B, T, hidden]."""
@@ -66,10 +90,10 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor, state: torch.Tensor, conv_window: torch.Tensor) -> torch.Tensor:
         """Advance the layer over T tokens: x [B, T, hidden]; state [B, HV, dk, dv] fp32 and conv_window
         [B, conv_dim, K-1] are updated in place. T == 1 uses the fused decode kernel (CUDA-graph safe)."""
-        mixed, z, beta, g = self.gates(x)
-        conv_out, new_window = causal_conv1d(mixed, self.conv_weight, conv_window)
+        q, k, v, z, beta, g, new_window = gdn_inputs(
+            F.linear(x, self.in_proj), self.conv_weight, conv_window, self.A_log, self.dt_bias,
+            self.hk, self.dk, self.hv, self.dv)
         conv_window.copy_(new_window)
-        q, k, v = self.split_heads(conv_out)
         if x.shape[1] == 1:
             o = gdn_decode(q, k, v, g, beta, state)
         else:
@@ -88,9 +112,10 @@ class GatedDeltaNet(nn.Module):
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, GDNTreeContext]]:
         """Outputs of all tree nodes x [B, N, hidden] (parents [B, N], shared ancestor bitsets) from the
         committed state and conv window, which are only read. Returns what `commit` needs."""
-        mixed, z, beta, g = self.gates(x)
+        mixed, z, beta, g = fused_split_projection(
+            F.linear(x, self.in_proj), self.A_log, self.dt_bias, self.conv_dim, self.hv, self.dv)
         conv_out = tree_causal_conv1d(mixed, self.conv_weight, parents, conv_window)
-        q, k, v = self.split_heads(conv_out)
+        q, k, v = fused_split_heads(conv_out, self.hk, self.dk, self.hv, self.dv)
         o, ctx = gdn_tree_verify(q, k, v, g, beta, parents, state, kernel=kernel, ancestors=ancestors)
         return self.output(o, z), (mixed, ctx)
 

@@ -5,16 +5,23 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dflash_tfm.layers.compile import fuse_on_cuda
+
+
+@fuse_on_cuda
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[..., 2I] laid out [gate | up] -> silu(gate) * up."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
 
 class SwiGLU(nn.Module):
     """`down(silu(gate(x)) * up(x))`; `gate_up` holds the gate rows then the up rows."""
 
     def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
-        self.intermediate_size = intermediate_size
         self.gate_up = nn.Parameter(torch.empty(2 * intermediate_size, hidden_size))
         self.down = nn.Parameter(torch.empty(hidden_size, intermediate_size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.gate_up).split(self.intermediate_size, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down)
+        return F.linear(silu_and_mul(F.linear(x, self.gate_up)), self.down)

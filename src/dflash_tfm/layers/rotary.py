@@ -24,9 +24,17 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q [B, T, H, D], k [B, T, Hkv, D], positions [B, T] long -> rotated (q, k)."""
-        cos = self.cos_table[positions].unsqueeze(2).to(q.dtype)
-        sin = self.sin_table[positions].unsqueeze(2).to(q.dtype)
-        return _rotate(q, cos, sin, self.rotary_dim), _rotate(k, cos, sin, self.rotary_dim)
+        return apply_rotary(q, k, self.cos_table, self.sin_table, positions, self.rotary_dim)
+
+
+def apply_rotary(
+    q: torch.Tensor, k: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor, positions: torch.Tensor,
+    rotary_dim: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pure-tensor form (fusable): tables [max_pos, rotary_dim] fp32, gathered at `positions`."""
+    cos = cos_table[positions].unsqueeze(2).to(q.dtype)
+    sin = sin_table[positions].unsqueeze(2).to(q.dtype)
+    return _rotate(q, cos, sin, rotary_dim), _rotate(k, cos, sin, rotary_dim)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int) -> torch.Tensor:
