@@ -29,6 +29,7 @@ run() {  # name, command...
 }
 [[ $PARTS == *tests* ]] && run gpu_tests python3 -m pytest -q -m gpu -p no:cacheprovider ${GPU_TESTS:-tests/kernels tests/spec tests/models}
 [[ $PARTS == *kernels* ]] && run bench_gdn_decode python3 -m benchmarks.bench_gdn_decode
+[[ $PARTS == *kernels* ]] && run bench_gdn_fused_decode python3 -m benchmarks.bench_gdn_fused_decode
 [[ $PARTS == *tree* ]] && run bench_tree_kernels python3 -m benchmarks.bench_tree_kernels
 [[ $PARTS == *ar* ]] && run bench_ar_decode python3 -m benchmarks.bench_ar_decode --out "$OUT/ar_decode.json"
 [[ $PARTS == *verify* ]] && run bench_verify_step python3 -m benchmarks.bench_verify_step --out "$OUT/verify_step.json"

@@ -14,7 +14,7 @@ from torch import nn
 
 from dflash_tfm.config import ModelConfig
 from dflash_tfm.kernels.conv.tree_conv import tree_causal_conv1d, tree_conv_commit
-from dflash_tfm.kernels.gdn.decode import gdn_decode
+from dflash_tfm.kernels.gdn.fused_decode import gdn_fused_decode
 from dflash_tfm.kernels.gdn.prefill import gdn_prefill
 from dflash_tfm.kernels.gdn.tree_commit import gdn_tree_commit
 from dflash_tfm.kernels.gdn.tree_reference import GDNTreeContext
@@ -89,16 +89,19 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x: torch.Tensor, state: torch.Tensor, conv_window: torch.Tensor) -> torch.Tensor:
         """Advance the layer over T tokens: x [B, T, hidden]; state [B, HV, dk, dv] fp32 and conv_window
-        [B, conv_dim, K-1] are updated in place. T == 1 uses the fused decode kernel (CUDA-graph safe)."""
+        [B, conv_dim, K-1] are updated in place. T == 1 runs one fused kernel from the projection to the
+        gated norm (CUDA-graph safe); prefill runs the chunked kernel."""
+        if x.shape[1] == 1:
+            y = gdn_fused_decode(
+                F.linear(x, self.in_proj), self.conv_weight, conv_window, self.A_log, self.dt_bias,
+                self.norm_weight, state, hk=self.hk, dk=self.dk, hv=self.hv, dv=self.dv, eps=self.eps)
+            return F.linear(y, self.out_proj)
         q, k, v, z, beta, g, new_window = gdn_inputs(
             F.linear(x, self.in_proj), self.conv_weight, conv_window, self.A_log, self.dt_bias,
             self.hk, self.dk, self.hv, self.dv)
         conv_window.copy_(new_window)
-        if x.shape[1] == 1:
-            o = gdn_decode(q, k, v, g, beta, state)
-        else:
-            o, final_state = gdn_prefill(q, k, v, g, beta, state)
-            state.copy_(final_state)
+        o, final_state = gdn_prefill(q, k, v, g, beta, state)
+        state.copy_(final_state)
         return self.output(o, z)
 
     def verify(
