@@ -6,6 +6,8 @@ engine can keep static buffers and CUDA graphs.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -27,9 +29,6 @@ class DecoderLayer(nn.Module):
         self.mixer: Attention | GatedDeltaNet = Attention(cfg) if self.is_attention else GatedDeltaNet(cfg)
         self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_plus_one)
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
-
-    def forward_mlp(self, h: torch.Tensor) -> torch.Tensor:
-        return h + self.mlp(self.post_norm(h))
 
 
 class CausalLM(nn.Module):
@@ -62,20 +61,31 @@ class CausalLM(nn.Module):
         Returns the final-normed hidden states [B, T, hidden] and the outputs of `tap_layers` (decoder layer
         indices, as HF `hidden_states[i + 1]`) for the drafter.
         """
-        h = F.embedding(input_ids, self.embed_tokens)
-        taps = []
-        for i, layer in enumerate(self.layers):
-            x = layer.input_norm(h)
+        def mixer(i: int, layer: DecoderLayer, x: torch.Tensor) -> torch.Tensor:
             if layer.is_attention:
                 k_cache, v_cache = cache.attention[i]
-                h = h + layer.mixer(x, positions, self.rope, k_cache, v_cache, kv_len)
-            else:
-                state, window = cache.gdn[i]
-                h = h + layer.mixer(x, state, window)
-            h = layer.forward_mlp(h)
+                return layer.mixer(x, positions, self.rope, k_cache, v_cache, kv_len)
+            state, window = cache.gdn[i]
+            return layer.mixer(x, state, window)
+
+        return self._run_layers(F.embedding(input_ids, self.embed_tokens), mixer, tap_layers)
+
+    def _run_layers(
+        self, h: torch.Tensor, mixer: Callable[[int, "DecoderLayer", torch.Tensor], torch.Tensor],
+        tap_layers: tuple[int, ...],
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The residual stream through every layer. Each residual add is fused into the following norm
+        (input_norm of the next layer, post_norm, or the final norm), so h lags one MLP output behind."""
+        taps: list[torch.Tensor] = []
+        x = self.layers[0].input_norm(h)
+        for i, layer in enumerate(self.layers):
+            h, x = layer.post_norm.add_forward(h, mixer(i, layer, x))
+            mlp_out = layer.mlp(x)
             if i in tap_layers:
-                taps.append(h)
-        return self.norm(h), taps
+                taps.append(h + mlp_out)
+            next_norm = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm
+            h, x = next_norm.add_forward(h, mlp_out)
+        return x, taps
 
     def verify(
         self,
@@ -88,20 +98,19 @@ class CausalLM(nn.Module):
         """One forward over all tree nodes (tree tensors [B, N]) hanging below the committed prefix of
         length `cache_len`. No cache is written. Returns final-normed hidden [B, N, hidden], the tap
         layers' outputs for every node, and per-layer data for `commit`."""
-        h = F.embedding(tree.tokens, self.embed_tokens)
-        taps, saved = [], {}
-        for i, layer in enumerate(self.layers):
-            x = layer.input_norm(h)
+        saved: dict[int, object] = {}
+
+        def mixer(i: int, layer: DecoderLayer, x: torch.Tensor) -> torch.Tensor:
             if layer.is_attention:
                 k_cache, v_cache = cache.attention[i]
                 out, saved[i] = layer.mixer.verify(x, tree.positions, self.rope, k_cache, v_cache, cache_len, tree.ancestors)
             else:
                 state, window = cache.gdn[i]
                 out, saved[i] = layer.mixer.verify(x, state, window, tree.parents, tree.ancestors, gdn_kernel)
-            h = layer.forward_mlp(h + out)
-            if i in tap_layers:
-                taps.append(h)
-        return self.norm(h), taps, saved
+            return out
+
+        hidden, taps = self._run_layers(F.embedding(tree.tokens, self.embed_tokens), mixer, tap_layers)
+        return hidden, taps, saved
 
     def commit(
         self, cache: "ModelCache", cache_len: int, tree: TreeSpec, saved: dict[int, object],  # noqa: F821
