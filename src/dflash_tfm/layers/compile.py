@@ -27,9 +27,15 @@ def enabled() -> bool:
 MAX_FUSED_ROWS = 512
 
 
+# One process sees a handful of variants per helper (decode, a few tree sizes, dtypes, inference mode or
+# not); past this many, dynamo stops compiling that helper and runs it eagerly instead of failing.
+RECOMPILE_LIMIT = 32
+
+
 def fuse_on_cuda(fn: F) -> F:
     """Run `fn` compiled (lazily, on first use) when its first tensor argument is a CUDA tensor with at
-    most MAX_FUSED_ROWS rows (all dims but the last)."""
+    most MAX_FUSED_ROWS rows (all dims but the last). Not `fullgraph`: should dynamo ever give up on a
+    call (recompile limit, an unsupported op), that call runs eagerly rather than raising."""
     compiled: Callable | None = None
 
     @functools.wraps(fn)
@@ -38,7 +44,8 @@ def fuse_on_cuda(fn: F) -> F:
         x = args[0]
         if x.is_cuda and enabled() and x.numel() // x.shape[-1] <= MAX_FUSED_ROWS:
             if compiled is None:
-                compiled = torch.compile(fn, fullgraph=True)
+                torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+                compiled = torch.compile(fn)
             return compiled(*args, **kwargs)
         return fn(*args, **kwargs)
 
