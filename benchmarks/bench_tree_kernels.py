@@ -8,11 +8,19 @@ ancestor bitsets are built once per step outside the timed region, as the engine
 (24 q / 4 kv heads, head_dim 256, cache 4096, 16 attention layers) and the tree conv (C = 10240) at N = 65.
 Prints markdown tables; the KERNELS.md target is ≤ 45 µs per GDN layer at N = 65.
 
+``--sweep`` instead times the chunk kernel's tuning options (``gdn_tree_verify`` keyword arguments: solver,
+dot precisions, blocking, warps/stages) at N = 16, 65, 129 in one run, with the max relative error of ``o`` and
+of the solved rows ``u`` against the fp32 torch twin, then one config combining the one-off changes that beat
+the base config at N = 65, and prints the best config (fastest at N = 65 within the bf16 tolerance 1e-2).
+About 1–2 minutes on an H200, most of it compiling; ``--budget`` seconds stops starting new configs.
+
     python benchmarks/bench_tree_kernels.py [--ns 16 32 65 129] [--gdn-layers 48]
+    python -m benchmarks.bench_tree_kernels --sweep [--sweep-ns 16 65 129] [--budget 150]
 """
 from __future__ import annotations
 
 import argparse
+import time
 from collections.abc import Callable
 
 import torch
@@ -28,7 +36,7 @@ H, HKV, HEAD_DIM, CACHE = 24, 4, 256, 4096   # gated attention layer
 CONV_CHANNELS = 2 * HK * DK + HV * DV         # conv over q|k|v
 
 
-def time_graph(fn: Callable[[int], object], layers: int) -> float:
+def time_graph(fn: Callable[[int], object], layers: int, rep: int = 200) -> float:
     """Median µs per call of ``fn(layer)``, all ``layers`` calls captured in one CUDA graph."""
     fn(0)  # compile / warm up outside the capture
     torch.cuda.synchronize()
@@ -36,7 +44,7 @@ def time_graph(fn: Callable[[int], object], layers: int) -> float:
     with torch.cuda.graph(graph):
         for layer in range(layers):
             fn(layer)
-    return do_bench(graph.replay, warmup=25, rep=200, return_mode="median") * 1e3 / layers
+    return do_bench(graph.replay, warmup=25, rep=rep, return_mode="median") * 1e3 / layers
 
 
 def tree(n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -92,6 +100,121 @@ def bench_gdn(ns: list[int], layers: int) -> None:
               f"{recurrent / min(chunk.values()):.2f}x | {commit:.1f} | {eager:.1f} | {err:.1e} |")
 
 
+SWEEP_BASE = {"solve": "split", "precision": "tf32x3", "block_v": 16, "solve_width": 64}
+SWEEP_ONE_OFF = [  # one change each to SWEEP_BASE: the greedy combination adopts those that win at N = 65
+    {"solve_width": 16},
+    {"solve_width": 128},
+    {"num_warps": 2},
+    {"block_v": 32},
+    {"state_block_v": 32},
+    {"gram_pairs": True},
+    {"num_stages": 1},
+    {"precision": "tf32"},
+    {"solve_precision": "tf32x3"},
+    {"block_size": 32},
+    {"fuse_gram": True},
+]
+SWEEP_OTHERS = [
+    {},                                                  # the default: subst, b16, bv32, ieee
+    {"block_v": 16},
+    {"block_v": 16, "precision": "tf32x3"},
+    {"solve": "split", "block_v": 16},                   # split, all fp32 ("ieee") dots
+]
+TOL_O = 1e-2  # the bf16-input tolerance of the GPU tests (o is bf16: its rounding alone is ~4e-3)
+TOL_U = 1e-3  # the solved fp32 rows u, which the commit folds into the state: the GPU commit tolerance
+
+
+def label(options: dict) -> str:
+    return " ".join(f"{k}={v}" for k, v in options.items()) or "default"
+
+
+def bench_sweep(ns: list[int], layers: int, budget: float) -> None:
+    """Time chunk-kernel options (module docstring); one markdown row per config, printed as it finishes."""
+    start = time.perf_counter()
+    states = [0.5 * torch.randn(1, HV, DK, DV, device="cuda") for _ in range(layers)]
+    cases = {}
+    for n in ns:
+        x = gdn_inputs(n)
+        parents, bits, _ = tree(n)
+        o_ref, ctx_ref = gdn_tree_verify_reference(**x, parents=parents, initial_state=states[0])
+        cases[n] = (x, parents, bits, o_ref.float(), ctx_ref.u)
+    print(f"\n### GDN tree verify option sweep, µs per layer ({layers} layers per graph; errors: max over N of "
+          f"max|Δ|/max|ref| vs the fp32 twin)\n", flush=True)
+    print("| config | " + " | ".join(f"N={n}" for n in ns) + " | o err | u err | 1st call s |")
+    print("|---|" + "---|" * (len(ns) + 3), flush=True)
+    results: dict[str, tuple[dict, dict[int, float], float, float]] = {}
+
+    def run(options: dict) -> None:
+        name = label(options)
+        if name in results:
+            return
+        if time.perf_counter() - start > budget:
+            print(f"| {name} | skipped: past --budget {budget:.0f} s |", flush=True)
+            return
+        times, err_o, err_u, first = {}, 0.0, 0.0, 0.0
+        try:
+            for n, (x, parents, bits, o_ref, u_ref) in cases.items():
+                def verify(layer: int):
+                    return gdn_tree_verify(**x, parents=parents, initial_state=states[layer], ancestors=bits,
+                                           **options)
+                t0 = time.perf_counter()
+                o, ctx = verify(0)
+                torch.cuda.synchronize()
+                first = max(first, time.perf_counter() - t0)
+                err_o = max(err_o, ((o.float() - o_ref).abs().max() / o_ref.abs().max()).item())
+                err_u = max(err_u, ((ctx.u - u_ref).abs().max() / u_ref.abs().max()).item())
+                times[n] = time_graph(verify, layers, rep=100)
+        except Exception as exc:  # noqa: BLE001  (a config that fails to compile or run must not end the sweep)
+            print(f"| {name} | failed: {type(exc).__name__}: {str(exc).splitlines()[0][:150] if str(exc) else ''} |",
+                  flush=True)
+            return
+        results[name] = (options, times, err_o, err_u)
+        print(f"| {name} | " + " | ".join(f"{times[n]:.1f}" for n in ns)
+              + f" | {err_o:.1e} | {err_u:.1e} | {first:.1f} |", flush=True)
+
+    for options in SWEEP_OTHERS:
+        run(options)
+    run(SWEEP_BASE)
+    for change in SWEEP_ONE_OFF:
+        run({**SWEEP_BASE, **change})
+    key = 65 if 65 in ns else ns[len(ns) // 2]
+    base = results.get(label(SWEEP_BASE))
+    if base is not None:
+        combined, gains = dict(SWEEP_BASE), {}
+        for change in SWEEP_ONE_OFF:  # per knob the value with the largest gain over the base, if ≥ 2 %
+            r = results.get(label({**SWEEP_BASE, **change}))
+            knob = next(iter(change))
+            if r is not None and r[2] <= TOL_O and r[3] <= TOL_U and r[1][key] < 0.98 * base[1][key]:
+                if knob not in gains or r[1][key] < gains[knob][0]:
+                    gains[knob] = (r[1][key], change)
+        for _, change in gains.values():
+            combined.update(change)
+        if len(gains) < 2:
+            print(f"\n{len(gains)} one-off change(s) beat the base at N={key} by ≥ 2 %: nothing to combine", flush=True)
+        else:
+            print(f"\ngreedy combination of the one-off changes that beat the base at N={key}: {label(combined)}\n",
+                  flush=True)
+            print("| config | " + " | ".join(f"N={n}" for n in ns) + " | o err | u err | 1st call s |")
+            print("|---|" + "---|" * (len(ns) + 3), flush=True)
+            run(combined)
+    shown = None
+    for tol_u in (TOL_U, float("inf")):
+        ok = {name: r for name, r in results.items() if r[2] <= TOL_O and r[3] <= tol_u}
+        if not ok:
+            continue
+        name, (options, times, err_o, err_u) = min(ok.items(), key=lambda item: item[1][1][key])
+        if name == shown:
+            continue
+        shown = name
+        print(f"\nbest at N={key} with o err ≤ {TOL_O:g} and u err ≤ {tol_u:g}: {name} -> "
+              + ", ".join(f"N={n}: {times[n]:.1f} µs" for n in ns)
+              + f" (o err {err_o:.1e}, u err {err_u:.1e}); gdn_tree_verify(..., **{options!r})")
+        for n in ns:
+            name_n, r = min(ok.items(), key=lambda item: item[1][1][n])
+            print(f"  best at N={n}: {r[1][n]:.1f} µs  {name_n}")
+    print(f"\nsweep wall time {time.perf_counter() - start:.0f} s", flush=True)
+
+
 def bench_attention_and_conv(n: int, attn_layers: int, conv_layers: int) -> None:
     parents, bits, accepted = tree(n)
     q = torch.randn(1, n, H, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
@@ -118,8 +241,14 @@ def main() -> None:
     parser.add_argument("--gdn-layers", type=int, default=48)
     parser.add_argument("--attn-layers", type=int, default=16)
     parser.add_argument("--attn-n", type=int, default=65)
+    parser.add_argument("--sweep", action="store_true", help="time the chunk kernel's tuning options instead")
+    parser.add_argument("--sweep-ns", type=int, nargs="+", default=[16, 65, 129])
+    parser.add_argument("--budget", type=float, default=150.0, help="--sweep: seconds after which no config starts")
     args = parser.parse_args()
     print(f"device: {torch.cuda.get_device_name()}")
+    if args.sweep:
+        bench_sweep(args.sweep_ns, args.gdn_layers, args.budget)
+        return
     bench_gdn(args.ns, args.gdn_layers)
     bench_attention_and_conv(args.attn_n, args.attn_layers, args.gdn_layers)
 

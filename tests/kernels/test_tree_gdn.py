@@ -134,6 +134,16 @@ def test_input_validation() -> None:
         gdn_tree_verify(**x, parents=parents, kernel="fused")
     with pytest.raises(ValueError, match="block_size"):
         gdn_tree_verify(**x, parents=parents, block_size=8)
+    with pytest.raises(ValueError, match="solve"):
+        gdn_tree_verify(**x, parents=parents, solve="dense")
+    with pytest.raises(ValueError, match="precision"):
+        gdn_tree_verify(**x, parents=parents, precision="bf16")
+    with pytest.raises(ValueError, match="block_v"):
+        gdn_tree_verify(**x, parents=parents, block_v=8)
+    with pytest.raises(ValueError, match="solve_width"):
+        gdn_tree_verify(**x, parents=parents, block_size=32, solve_width=16)
+    with pytest.raises(ValueError, match="fuse_gram"):
+        gdn_tree_verify(**x, parents=parents, solve="subst", fuse_gram=True)
 
 
 # ---- Triton (interpreter on the CPU, compiled on a GPU) --------------------------------------------
@@ -151,6 +161,33 @@ def test_triton_chunk_block_edges_batch_and_dims(N: int, block_size: int, triton
     parents = torch.stack([random_parents(N, "best_first", seed=1), random_parents(N, "random", seed=2)])
     x = make_inputs(2, N, 1, 3, 16, 48, seed=N, device=triton_device)
     check_against_oracle(x, parents, kernel="chunk", block_size=block_size)
+
+
+# Tuning options of the chunk kernel (gdn_tree_verify's keyword-only arguments). Under the interpreter
+# "tf32"/"tf32x3" run as fp32; on a GPU "tf32" rounds the inputs to 10 mantissa bits.
+CHUNK_OPTIONS = [
+    (33, {"solve": "split"}),
+    (70, {"solve": "split", "solve_width": 64, "gram_pairs": True, "num_stages": 1, "precision": "tf32x3"}),
+    (21, {"solve": "split", "block_size": 32, "state_block_v": 32, "block_v": 64, "num_warps": 2}),
+    (40, {"solve": "split", "block_size": 32, "solve_width": 64, "block_v": 16, "precision": "tf32",
+          "solve_precision": "tf32x3"}),
+    (1, {"solve": "split", "solve_width": 32}),
+    (70, {"solve": "split", "fuse_gram": True, "state_block_v": 32, "block_v": 32}),
+    (40, {"solve": "split", "fuse_gram": True, "block_size": 32, "solve_width": 64, "precision": "tf32x3"}),
+    (16, {"solve": "split", "fuse_gram": True}),
+    (40, {"gram_pairs": True, "precision": "tf32x3", "block_v": 16}),
+    (40, {"block_size": 32, "block_v": 64, "num_warps": 4, "num_stages": 1, "solve_precision": "tf32x3"}),
+]
+
+
+@pytest.mark.parametrize("N, options", CHUNK_OPTIONS, ids=[f"{n}-{'-'.join(map(str, o.values()))}"
+                                                            for n, o in CHUNK_OPTIONS])
+def test_triton_chunk_options_match_path_recurrence(N: int, options: dict, triton_device: str) -> None:
+    """Every solver / precision / blocking option: two trees in a batch, dv ≠ dk with partial dv blocks."""
+    parents = torch.stack([random_parents(N, "best_first", seed=1), random_parents(N, "random", seed=2)])
+    x = make_inputs(2, N, 1, 3, 16, 48, seed=N, device=triton_device)
+    tf32 = triton_device == "cuda" and "tf32" in (options.get("precision"), options.get("solve_precision"))
+    check_against_oracle(x, parents, kernel="chunk", tol=1e-2 if tf32 else TOL, **options)
 
 
 def test_triton_chunk_chain_matches_hf_chunk_rule(triton_device: str) -> None:
@@ -200,18 +237,43 @@ def test_gpu_matches_twin_27b_shapes(N: int, kernel: str) -> None:
     assert torch.equal(x["initial_state"], S0)
 
 
+GPU_OPTIONS = [
+    {"solve": "split"},
+    {"solve": "split", "precision": "tf32x3", "solve_width": 64},
+    {"solve": "split", "precision": "tf32", "solve_precision": "tf32x3", "gram_pairs": True, "num_warps": 2},
+    {"solve": "split", "precision": "tf32x3", "fuse_gram": True, "solve_width": 64},
+    {"solve": "split", "precision": "tf32x3", "fuse_gram": True, "block_size": 32, "num_stages": 1},
+    {"precision": "tf32x3", "block_v": 16},
+]
+
+
 @pytest.mark.gpu
-def test_gpu_cuda_graph_replay() -> None:
+@pytest.mark.parametrize("options", GPU_OPTIONS, ids=lambda o: "-".join(map(str, o.values())))
+@pytest.mark.parametrize("N", [16, 65, 129])
+def test_gpu_options_match_twin_27b_shapes(N: int, options: dict) -> None:
+    """The tuning options at Qwen3.6-27B shapes, within the bf16-input tolerance of the default path."""
+    x, parents = gpu_case(N)
+    o, ctx = gdn_tree_verify(**x, parents=parents, **options)
+    o_ref, ctx_ref = gdn_tree_verify_reference(**x, parents=parents)
+    assert rel_err(o, o_ref) <= 1e-2
+    acc = accepted_mask(parents.cpu(), [N - 1]).cuda()
+    tol = 1e-2 if "tf32" in (options.get("precision"), options.get("solve_precision")) else 1e-3
+    assert rel_err(gdn_tree_commit(ctx, acc), gdn_tree_commit_reference(ctx_ref, acc)) <= tol
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("options", [{}, {"solve": "split", "precision": "tf32x3"}], ids=["default", "split"])
+def test_gpu_cuda_graph_replay(options: dict) -> None:
     """Verify + commit are capturable (no host sync) and replay to the same result."""
     x, parents = gpu_case(65)
     bits = ancestor_bitsets(parents)
     acc = accepted_mask(parents.cpu(), [64]).cuda()
-    o_eager, ctx = gdn_tree_verify(**x, parents=parents, ancestors=bits)
+    o_eager, ctx = gdn_tree_verify(**x, parents=parents, ancestors=bits, **options)
     S_eager = gdn_tree_commit(ctx, acc)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        o, ctx = gdn_tree_verify(**x, parents=parents, ancestors=bits)
+        o, ctx = gdn_tree_verify(**x, parents=parents, ancestors=bits, **options)
         S = gdn_tree_commit(ctx, acc)
     graph.replay()
     torch.cuda.synchronize()

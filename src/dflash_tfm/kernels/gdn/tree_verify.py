@@ -1,10 +1,13 @@
 """Gated DeltaNet tree verification: every node's output from the committed state, no state written.
 
-``kernel="chunk"`` (the fast path, KERNELS.md steps 1–4), two launches:
+``kernel="chunk"`` (the fast path, KERNELS.md steps 1–4) has two solvers (``solve=``):
 
-1. ``_gdn_tree_gram_kernel``, one program per (row block of BT nodes, key head): the ancestor-masked Gram
-   tiles ``KKᵀ`` (strict ancestors) and ``scale·QKᵀ`` (ancestors and self), computed once per KEY head and
-   shared by its value heads, and the path log-decay ``G = P g`` of those value heads.
+``"subst"`` (two launches):
+
+1. ``_gdn_tree_gram_kernel``, one program per (row block of BT nodes, key head) — or per (row block, column
+   block, key head) with ``gram_pairs=True`` —: the ancestor-masked Gram tiles ``KKᵀ`` (strict ancestors) and
+   ``scale·QKᵀ`` (ancestors and self), computed once per KEY head and shared by its value heads, and the path
+   log-decay ``G = P g`` of those value heads.
 2. ``_gdn_tree_solve_kernel``, one program per (value head, dv block): block forward substitution over
    row blocks of BT = 16 (or 32) nodes. For row block i: ``rhs = β(V − e^G K S0)`` and ``O = e^G Q S0``
    (tl.dot with the state block, over dk chunks), minus/plus the already solved blocks j < i, then the
@@ -12,10 +15,32 @@
    ``(I + A)⁻¹ = (I − A)(I + A²)(I + A⁴)(I + A⁸)`` for BT = 16. Solved rows ``U_i`` go to the fold
    context and are re-read (after a CTA barrier) by later row blocks of the same program.
 
-All dots are fp32 (``input_precision="ieee"``, no TF32 rounding of the state or the solve; bf16 inputs
-are upcast, which also keeps the kernels exact under Triton's CPU interpreter). ``kernel="recurrent"`` is
-the baseline to beat: it steps through the nodes in order, keeping a state snapshot per node (node i
-starts from its parent's).
+``"split"`` (three launches) takes everything that does not depend on earlier solved rows off the serial path:
+
+1. the same Gram kernel;
+2. ``_gdn_tree_prep_kernel``, one program per (row block i, dv block, value head), all independent: the
+   diagonal block inverse ``T_i = (I + A_ii)⁻¹`` (repeated squaring as above), the state products
+   ``W_i = T_i β_i(V_i − e^G_i K_i S0)`` (written into ``u``) and ``O0_i = e^G_i Q_i S0`` (fp32 scratch), and
+   per value head the tiles ``Ã_ij = T_i A_ij`` (j < i) and ``M_ij = (QKᵀ ∘ D)_ij`` (j ≤ i), shared
+   round-robin by the dv-block programs of a row block;
+3. ``_gdn_tree_subst_kernel``, one program per (value head, dv block): only the block substitution
+   ``U_i = W_i − Σ_{j<i} Ã_ij U_j`` and ``O_i = O0_i + Σ_{j≤i} M_ij U_j`` (JW columns of solved rows per dot),
+   in place in ``u``.
+
+With ``fuse_gram=True`` step 1 disappears: ``_gdn_tree_prep_fused_kernel`` computes its Gram tiles (per value
+head) and G from q, k, g and the bitsets itself, using ``G_i − G_c = G_i − Σ_{m ∈ anc⁺(i), m ≤ c} g_m`` for
+c ∈ anc⁺(i) (a prefix sum along row i's own path), so no program needs another row's G.
+
+The chunk kernels are compiled once for all N (``do_not_specialize``), except the fused one (per power of 2).
+
+Precision: ``precision`` is the ``tl.dot`` input precision of the products with the state (K·S0, Q·S0, the
+only large ones), ``solve_precision`` that of every other dot (Gram tiles, block inverses, substitution).
+Both default to fp32 ``"ieee"`` (no TF32 rounding; bf16 inputs are upcast, which also keeps the kernels
+exact under Triton's CPU interpreter, where "tf32"/"tf32x3" run as fp32). ``"tf32x3"`` uses tensor cores
+at about fp32 accuracy, ``"tf32"`` rounds the inputs to 10 mantissa bits.
+
+``kernel="recurrent"`` is the baseline to beat: it steps through the nodes in order, keeping a state snapshot
+per node (node i starts from its parent's).
 """
 from __future__ import annotations
 
@@ -27,7 +52,7 @@ from dflash_tfm.kernels import use_triton
 from dflash_tfm.kernels.gdn.tree_reference import GDNTreeContext, check_gdn_tree_inputs, gdn_tree_verify_reference
 from dflash_tfm.spec.tree import ancestor_bitsets
 
-PRECISION: tl.constexpr = tl.constexpr("ieee")  # fp32 dots on the state and the solve
+PRECISIONS = ("ieee", "tf32", "tf32x3")
 
 
 @triton.jit
@@ -39,14 +64,17 @@ def _ancestor_tile(bits, rows, col0, N, W, BT: tl.constexpr):
     return (((word[:, None] >> (cols % 64).to(tl.int64)[None, :]) & 1) != 0) & (cols[None, :] < N)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N", "W"])  # one compile for every tree size
 def _gdn_tree_gram_kernel(
     q, k, g, bits, kk, qk, G,
     N, W, HK, R, NP, scale,
     sq_b, sq_n, sq_h, sk_b, sk_n, sk_h, sg_b, sg_n, sg_h,
     DK: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, RP: tl.constexpr,
+    PAIRS: tl.constexpr, PREC: tl.constexpr,
 ):
-    """Grid (cdiv(N, BT), B·HK). kk, qk: [B, HK, NP, NP] fp32 (lower block triangle written); G: [B, N, HV]."""
+    """Grid (cdiv(N, BT), B·HK) — or (cdiv(N, BT), B·HK, cdiv(N, BT)) with PAIRS: one column block per program
+    (programs above the diagonal do nothing; column block 0 also sums G). kk, qk: [B, HK, NP, NP] fp32 (lower
+    block triangle written); G: [B, N, HV]."""
     i = tl.program_id(0)
     b = tl.program_id(1) // HK
     h = tl.program_id(1) % HK
@@ -61,33 +89,51 @@ def _gdn_tree_gram_kernel(
     G_i = tl.zeros([BT, RP], dtype=tl.float32)
     gram = kk + (b * HK + h) * NP * NP + rows[:, None] * NP
     qgram = qk + (b * HK + h) * NP * NP + rows[:, None] * NP
-    for j in range(0, i + 1):
+    if PAIRS:
+        j_lo = tl.program_id(2)
+        j_hi = tl.minimum(j_lo + 1, i + 1)  # empty above the diagonal
+        g_hi = tl.where(j_lo == 0, i + 1, 0)
+        store_G = j_lo == 0
+    else:
+        j_lo = 0
+        j_hi = i + 1
+        g_hi = 0
+        store_G = True
+    for j in range(j_lo, j_hi):
         cols = j * BT + tl.arange(0, BT)
         ldj = (cols[:, None] < N) & (offs_k[None, :] < DK)
         k_j = tl.load(k + b * sk_b + cols[:, None] * sk_n + h * sk_h + offs_k[None, :], mask=ldj, other=0.0)
         k_j = k_j.to(tl.float32)
         anc = _ancestor_tile(bits + b * N * W, rows, j * BT, N, W, BT)
         strict = anc & (rows[:, None] != cols[None, :])
-        kk_ij = tl.dot(k_i, tl.trans(k_j), input_precision=PRECISION)
-        qk_ij = tl.dot(q_i, tl.trans(k_j), input_precision=PRECISION) * scale
+        kk_ij = tl.dot(k_i, tl.trans(k_j), input_precision=PREC)
+        qk_ij = tl.dot(q_i, tl.trans(k_j), input_precision=PREC) * scale
         tl.store(gram + cols[None, :], tl.where(strict, kk_ij, 0.0))
         tl.store(qgram + cols[None, :], tl.where(anc, qk_ij, 0.0))
+        if not PAIRS:
+            g_j = tl.load(g + b * sg_b + cols[:, None] * sg_n + heads[None, :] * sg_h,
+                          mask=(cols[:, None] < N) & hmask[None, :], other=0.0).to(tl.float32)
+            G_i += tl.sum(tl.where(anc[:, :, None], g_j[None, :, :], 0.0), axis=1)
+    for j in range(0, g_hi):  # PAIRS: G of this row block, in its column-block-0 program
+        cols = j * BT + tl.arange(0, BT)
+        anc = _ancestor_tile(bits + b * N * W, rows, j * BT, N, W, BT)
         g_j = tl.load(g + b * sg_b + cols[:, None] * sg_n + heads[None, :] * sg_h,
                       mask=(cols[:, None] < N) & hmask[None, :], other=0.0).to(tl.float32)
         G_i += tl.sum(tl.where(anc[:, :, None], g_j[None, :, :], 0.0), axis=1)
     HV = HK * R
-    tl.store(G + (b * N + rows[:, None]) * HV + heads[None, :], G_i, mask=(rows[:, None] < N) & hmask[None, :])
+    tl.store(G + (b * N + rows[:, None]) * HV + heads[None, :], G_i,
+             mask=(rows[:, None] < N) & hmask[None, :] & store_G)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])  # one compile for every tree size
 def _gdn_tree_solve_kernel(
     q, k, v, beta, S0, kk, qk, G, u, o,
     N, HK, R, NP, scale,
     sq_b, sq_n, sq_h, sk_b, sk_n, sk_h, sv_b, sv_n, sv_h, sb_b, sb_n, sb_h, ss_b, ss_h, ss_k,
     DK: tl.constexpr, DV: tl.constexpr, BKC: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
-    LOG_BT: tl.constexpr,
+    LOG_BT: tl.constexpr, PREC: tl.constexpr, SPREC: tl.constexpr,
 ):
-    """Grid (cdiv(dv, BV), B·HV). u: [B, N, HV, dv] fp32 (written, then re-read); o: [B, N, HV, dv]."""
+    """solve="subst". Grid (cdiv(dv, BV), B·HV). u: [B, N, HV, dv] fp32 (written, then re-read); o: [B, N, HV, dv]."""
     HV = HK * R
     b = tl.program_id(1) // HV
     hv = tl.program_id(1) % HV
@@ -114,8 +160,8 @@ def _gdn_tree_solve_kernel(
             ld = rm[:, None] & cm[None, :]
             k_c = tl.load(k + b * sk_b + rows[:, None] * sk_n + hk * sk_h + offs_c[None, :], mask=ld, other=0.0)
             q_c = tl.load(q + b * sq_b + rows[:, None] * sq_n + hk * sq_h + offs_c[None, :], mask=ld, other=0.0)
-            kS += tl.dot(k_c.to(tl.float32), S_c, input_precision=PRECISION)
-            qS += tl.dot(q_c.to(tl.float32), S_c, input_precision=PRECISION)
+            kS += tl.dot(k_c.to(tl.float32), S_c, input_precision=PREC)
+            qS += tl.dot(q_c.to(tl.float32), S_c, input_precision=PREC)
         eG = tl.exp(G_i)[:, None]
         rhs = b_i[:, None] * (v_i - eG * kS)
         acc = eG * qS * scale
@@ -127,19 +173,220 @@ def _gdn_tree_solve_kernel(
             kk_ij = tl.load(gram + rows[:, None] * NP + cols[None, :])
             qk_ij = tl.load(qgram + rows[:, None] * NP + cols[None, :])
             u_j = tl.load(u_bh + cols[:, None] * HV * DV + offs_v[None, :], mask=cm[:, None] & vm[None, :], other=0.0)
-            rhs -= tl.dot(b_i[:, None] * dec * kk_ij, u_j, input_precision=PRECISION)
-            acc += tl.dot(qk_ij * dec, u_j, input_precision=PRECISION)
+            rhs -= tl.dot(b_i[:, None] * dec * kk_ij, u_j, input_precision=SPREC)
+            acc += tl.dot(qk_ij * dec, u_j, input_precision=SPREC)
         dec = tl.exp(tl.minimum(G_i[:, None] - G_i[None, :], 0.0))
         a = b_i[:, None] * dec * tl.load(gram + rows[:, None] * NP + rows[None, :])  # strictly lower in-block
-        x = rhs - tl.dot(a, rhs, input_precision=PRECISION)
+        x = rhs - tl.dot(a, rhs, input_precision=SPREC)
         for _ in tl.static_range(LOG_BT - 1):
-            a = tl.dot(a, a, input_precision=PRECISION)
-            x += tl.dot(a, x, input_precision=PRECISION)
+            a = tl.dot(a, a, input_precision=SPREC)
+            x += tl.dot(a, x, input_precision=SPREC)
         tl.store(u_bh + rows[:, None] * HV * DV + offs_v[None, :], x, mask=rm[:, None] & vm[None, :])
         tl.debug_barrier()  # later row blocks of this program re-read these rows
-        acc += tl.dot(tl.load(qgram + rows[:, None] * NP + rows[None, :]) * dec, x, input_precision=PRECISION)
+        acc += tl.dot(tl.load(qgram + rows[:, None] * NP + rows[None, :]) * dec, x, input_precision=SPREC)
         tl.store(o + ((b * N + rows[:, None]) * HV + hv) * DV + offs_v[None, :],
                  acc.to(o.dtype.element_ty), mask=rm[:, None] & vm[None, :])
+
+
+@triton.jit
+def _block_inverse(a, rows, LOG_BT: tl.constexpr, SPREC: tl.constexpr):
+    """(I + A)⁻¹ = (I − A)(I + A²)(I + A⁴)… for a strictly lower [BT, BT] tile A (nilpotent of order BT)."""
+    t = tl.where(rows[:, None] == rows[None, :], 1.0, 0.0) - a
+    for _ in tl.static_range(LOG_BT - 1):
+        a = tl.dot(a, a, input_precision=SPREC)
+        t += tl.dot(a, t, input_precision=SPREC)
+    return t
+
+
+@triton.jit
+def _prep_state_rows(
+    q, k, v, S0, w, o0, t, b_i, G_i, rows, b, hv, hk, vb, N, HV, scale,
+    sq_b, sq_n, sq_h, sk_b, sk_n, sk_h, sv_b, sv_n, sv_h, ss_b, ss_h, ss_k,
+    DK: tl.constexpr, DV: tl.constexpr, BKC: tl.constexpr, BVS: tl.constexpr, BT: tl.constexpr,
+    PREC: tl.constexpr, SPREC: tl.constexpr,
+):
+    """Rows ``rows``, dv block vb: w = T β(V − e^G K S0) and o0 = e^G Q S0 (scaled), both [B, N, HV, dv] fp32."""
+    rm = rows < N
+    offs_v = vb * BVS + tl.arange(0, BVS)
+    vm = offs_v < DV
+    S_bh = S0 + b * ss_b + hv * ss_h
+    kS = tl.zeros([BT, BVS], dtype=tl.float32)
+    qS = tl.zeros([BT, BVS], dtype=tl.float32)
+    for c in range(0, DK, BKC):
+        offs_c = c + tl.arange(0, BKC)
+        cm = offs_c < DK
+        S_c = tl.load(S_bh + offs_c[:, None] * ss_k + offs_v[None, :], mask=cm[:, None] & vm[None, :], other=0.0)
+        ld = rm[:, None] & cm[None, :]
+        k_c = tl.load(k + b * sk_b + rows[:, None] * sk_n + hk * sk_h + offs_c[None, :], mask=ld, other=0.0)
+        q_c = tl.load(q + b * sq_b + rows[:, None] * sq_n + hk * sq_h + offs_c[None, :], mask=ld, other=0.0)
+        kS += tl.dot(k_c.to(tl.float32), S_c, input_precision=PREC)
+        qS += tl.dot(q_c.to(tl.float32), S_c, input_precision=PREC)
+    v_i = tl.load(v + b * sv_b + rows[:, None] * sv_n + hv * sv_h + offs_v[None, :],
+                  mask=rm[:, None] & vm[None, :], other=0.0).to(tl.float32)
+    eG = tl.exp(G_i)[:, None]
+    w_i = tl.dot(t, b_i[:, None] * (v_i - eG * kS), input_precision=SPREC)
+    out = ((b * N + rows[:, None]) * HV + hv) * DV + offs_v[None, :]
+    tl.store(w + out, w_i, mask=rm[:, None] & vm[None, :])
+    tl.store(o0 + out, eG * qS * scale, mask=rm[:, None] & vm[None, :])
+
+
+@triton.jit(do_not_specialize=["N"])  # one compile for every tree size
+def _gdn_tree_prep_kernel(
+    q, k, v, beta, S0, kk, qk, G, w, o0, At, M,
+    N, HK, R, NP, NSV, scale,
+    sq_b, sq_n, sq_h, sk_b, sk_n, sk_h, sv_b, sv_n, sv_h, sb_b, sb_n, sb_h, ss_b, ss_h, ss_k,
+    DK: tl.constexpr, DV: tl.constexpr, BKC: tl.constexpr, BVS: tl.constexpr, BT: tl.constexpr,
+    LOG_BT: tl.constexpr, PREC: tl.constexpr, SPREC: tl.constexpr,
+):
+    """solve="split", step 2. Grid (cdiv(N, BT), NSV = cdiv(dv, BVS), B·HV), all programs independent.
+    w, o0: [B, N, HV, dv] fp32 (T_i β(V − e^G K S0) and e^G Q S0); At, M: [B, HV, NP, NP] fp32 (lower block
+    triangle: Ã strictly below the diagonal blocks, M including them)."""
+    HV = HK * R
+    i = tl.program_id(0)
+    vb = tl.program_id(1)
+    b = tl.program_id(2) // HV
+    hv = tl.program_id(2) % HV
+    hk = hv // R
+    rows = i * BT + tl.arange(0, BT)
+    rm = rows < N
+    b_i = tl.load(beta + b * sb_b + rows * sb_n + hv * sb_h, mask=rm, other=0.0).to(tl.float32)
+    G_i = tl.load(G + (b * N + rows) * HV + hv, mask=rm, other=0.0)
+    gram = kk + (b * HK + hk) * NP * NP + rows[:, None] * NP
+    qgram = qk + (b * HK + hk) * NP * NP + rows[:, None] * NP
+    dec = tl.exp(tl.minimum(G_i[:, None] - G_i[None, :], 0.0))
+    t = _block_inverse(b_i[:, None] * dec * tl.load(gram + rows[None, :]), rows, LOG_BT, SPREC)
+    _prep_state_rows(q, k, v, S0, w, o0, t, b_i, G_i, rows, b, hv, hk, vb, N, HV, scale,
+                     sq_b, sq_n, sq_h, sk_b, sk_n, sk_h, sv_b, sv_n, sv_h, ss_b, ss_h, ss_k,
+                     DK, DV, BKC, BVS, BT, PREC, SPREC)
+    # Ã_ij = T_i A_ij (j < i), M_ij = (QKᵀ∘D)_ij (j ≤ i): column blocks shared round-robin by the NSV programs
+    mat = (b * HV + hv) * NP * NP + rows[:, None] * NP
+    for j in range(vb, i + 1, NSV):
+        cols = j * BT + tl.arange(0, BT)
+        G_j = tl.load(G + (b * N + cols) * HV + hv, mask=cols < N, other=0.0)
+        dec = tl.exp(tl.minimum(G_i[:, None] - G_j[None, :], 0.0))
+        tl.store(M + mat + cols[None, :], tl.load(qgram + cols[None, :]) * dec)
+        if j < i:
+            a_ij = b_i[:, None] * dec * tl.load(gram + cols[None, :])
+            tl.store(At + mat + cols[None, :], tl.dot(t, a_ij, input_precision=SPREC))
+
+
+@triton.jit
+def _path_tile(q_i, k_i, k, g, bits, gm_all, cols_all, G_i, rows, j, N, W, b, hk, hv, scale,
+               sk_b, sk_n, sk_h, sg_b, sg_n, sg_h, DK: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
+               SPREC: tl.constexpr):
+    """Column block j of row block ``rows`` (fuse_gram): ancestor mask, decay D (0 off the path) and the raw
+    K·Kᵀ, scale·Q·Kᵀ tiles. For c ∈ anc⁺(i), G_i − G_c is the sum of g over i's path after c: G_i minus the
+    inclusive prefix sum of i's path-masked g (``gm_all``, [BT, NPOW]) up to column c, so no other row's G."""
+    cols = j * BT + tl.arange(0, BT)
+    anc = _ancestor_tile(bits, rows, j * BT, N, W, BT)
+    g_j = tl.load(g + b * sg_b + cols * sg_n + hv * sg_h, mask=cols < N, other=0.0).to(tl.float32)
+    run = tl.sum(tl.where(cols_all[None, :] < j * BT, gm_all, 0.0), axis=1)
+    pre = run[:, None] + tl.cumsum(tl.where(anc, g_j[None, :], 0.0), axis=1)
+    dec = tl.where(anc, tl.exp(tl.minimum(G_i[:, None] - pre, 0.0)), 0.0)
+    offs_k = tl.arange(0, BK)
+    k_j = tl.load(k + b * sk_b + cols[:, None] * sk_n + hk * sk_h + offs_k[None, :],
+                  mask=(cols[:, None] < N) & (offs_k[None, :] < DK), other=0.0).to(tl.float32)
+    kk = tl.dot(k_i, tl.trans(k_j), input_precision=SPREC)
+    qk = tl.dot(q_i, tl.trans(k_j), input_precision=SPREC) * scale
+    return cols, anc, dec, kk, qk
+
+
+@triton.jit(do_not_specialize=["N", "W"])  # one compile per power of 2 ≥ N (NPOW)
+def _gdn_tree_prep_fused_kernel(
+    q, k, v, g, beta, bits, S0, G, w, o0, At, M,
+    N, W, HK, R, NP, NSV, scale,
+    sq_b, sq_n, sq_h, sk_b, sk_n, sk_h, sv_b, sv_n, sv_h, sg_b, sg_n, sg_h, sb_b, sb_n, sb_h, ss_b, ss_h, ss_k,
+    DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BKC: tl.constexpr, BVS: tl.constexpr,
+    BT: tl.constexpr, LOG_BT: tl.constexpr, NPOW: tl.constexpr, PREC: tl.constexpr, SPREC: tl.constexpr,
+):
+    """solve="split" with fuse_gram: step 2 straight from q, k, g and the bitsets (no Gram launch). Same grid and
+    outputs as _gdn_tree_prep_kernel, plus G (written by the dv-block-0 programs); the Gram tiles are
+    recomputed per value head."""
+    HV = HK * R
+    i = tl.program_id(0)
+    vb = tl.program_id(1)
+    b = tl.program_id(2) // HV
+    hv = tl.program_id(2) % HV
+    hk = hv // R
+    rows = i * BT + tl.arange(0, BT)
+    rm = rows < N
+    bits_b = bits + b * N * W
+    cols_all = tl.arange(0, NPOW)
+    words = tl.load(bits_b + rows[:, None] * W + (cols_all // 64)[None, :],
+                    mask=rm[:, None] & (cols_all < N)[None, :], other=0)
+    anc_all = ((words >> (cols_all % 64).to(tl.int64)[None, :]) & 1) != 0
+    g_all = tl.load(g + b * sg_b + cols_all * sg_n + hv * sg_h, mask=cols_all < N, other=0.0).to(tl.float32)
+    gm_all = tl.where(anc_all, g_all[None, :], 0.0)
+    G_i = tl.sum(gm_all, axis=1)
+    b_i = tl.load(beta + b * sb_b + rows * sb_n + hv * sb_h, mask=rm, other=0.0).to(tl.float32)
+    offs_k = tl.arange(0, BK)
+    ld = rm[:, None] & (offs_k[None, :] < DK)
+    q_i = tl.load(q + b * sq_b + rows[:, None] * sq_n + hk * sq_h + offs_k[None, :], mask=ld, other=0.0)
+    k_i = tl.load(k + b * sk_b + rows[:, None] * sk_n + hk * sk_h + offs_k[None, :], mask=ld, other=0.0)
+    q_i, k_i = q_i.to(tl.float32), k_i.to(tl.float32)
+    mat = (b * HV + hv) * NP * NP + rows[:, None] * NP
+    cols, anc, dec, kk, qk = _path_tile(q_i, k_i, k, g, bits_b, gm_all, cols_all, G_i, rows, i, N, W, b, hk, hv,
+                                        scale, sk_b, sk_n, sk_h, sg_b, sg_n, sg_h, DK, BK, BT, SPREC)
+    strict = anc & (rows[:, None] != cols[None, :])
+    t = _block_inverse(tl.where(strict, b_i[:, None] * dec * kk, 0.0), rows, LOG_BT, SPREC)
+    if vb == 0:
+        tl.store(M + mat + cols[None, :], dec * qk)
+        tl.store(G + (b * N + rows) * HV + hv, G_i, mask=rm)
+    _prep_state_rows(q, k, v, S0, w, o0, t, b_i, G_i, rows, b, hv, hk, vb, N, HV, scale,
+                     sq_b, sq_n, sq_h, sk_b, sk_n, sk_h, sv_b, sv_n, sv_h, ss_b, ss_h, ss_k,
+                     DK, DV, BKC, BVS, BT, PREC, SPREC)
+    for j in range(vb, i, NSV):  # off-diagonal column blocks, round-robin over the NSV programs
+        cols, anc, dec, kk, qk = _path_tile(q_i, k_i, k, g, bits_b, gm_all, cols_all, G_i, rows, j, N, W, b, hk,
+                                            hv, scale, sk_b, sk_n, sk_h, sg_b, sg_n, sg_h, DK, BK, BT, SPREC)
+        tl.store(M + mat + cols[None, :], dec * qk)
+        tl.store(At + mat + cols[None, :], tl.dot(t, b_i[:, None] * dec * kk, input_precision=SPREC))
+
+
+@triton.jit(do_not_specialize=["N"])  # one compile for every tree size
+def _gdn_tree_subst_kernel(
+    u, o0, At, M, o,
+    N, HV, NP,
+    DV: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, JW: tl.constexpr, SPREC: tl.constexpr,
+):
+    """solve="split", step 3. Grid (cdiv(dv, BV), B·HV). u holds W on entry and the solved U on exit (each row
+    block read, then overwritten by the same program); later row blocks re-read solved rows after a barrier.
+    The next row block's W, O0 and diagonal M tile, which do not depend on the solve, are loaded a step ahead."""
+    b = tl.program_id(1) // HV
+    hv = tl.program_id(1) % HV
+    offs_v = tl.program_id(0) * BV + tl.arange(0, BV)
+    vm = offs_v[None, :] < DV
+    u_bh = u + (b * N * HV + hv) * DV + offs_v[None, :]
+    o0_bh = o0 + (b * N * HV + hv) * DV + offs_v[None, :]
+    mat = M + (b * HV + hv) * NP * NP
+    amat = At + (b * HV + hv) * NP * NP
+    rows = tl.arange(0, BT)
+    rm = rows[:, None] < N
+    x = tl.load(u_bh + rows[:, None] * HV * DV, mask=rm & vm, other=0.0)
+    acc = tl.load(o0_bh + rows[:, None] * HV * DV, mask=rm & vm, other=0.0)
+    m_d = tl.load(mat + rows[:, None] * NP + rows[None, :])
+    for i in range(0, tl.cdiv(N, BT)):
+        rows = i * BT + tl.arange(0, BT)
+        rm = rows[:, None] < N
+        nxt = rows + BT
+        nm = nxt[:, None] < N
+        x_n = tl.load(u_bh + nxt[:, None] * HV * DV, mask=nm & vm, other=0.0)
+        acc_n = tl.load(o0_bh + nxt[:, None] * HV * DV, mask=nm & vm, other=0.0)
+        m_n = tl.load(mat + nxt[:, None] * NP + nxt[None, :], mask=nm, other=0.0)
+        row0 = i * BT
+        for j0 in range(0, row0, JW):  # solved rows [0, row0), JW at a time: all < N
+            cols = j0 + tl.arange(0, JW)
+            cm = cols < row0
+            u_j = tl.load(u_bh + cols[:, None] * HV * DV, mask=cm[:, None] & vm, other=0.0)
+            at = tl.load(amat + rows[:, None] * NP + cols[None, :], mask=cm[None, :], other=0.0)
+            m = tl.load(mat + rows[:, None] * NP + cols[None, :], mask=cm[None, :], other=0.0)
+            x -= tl.dot(at, u_j, input_precision=SPREC)
+            acc += tl.dot(m, u_j, input_precision=SPREC)
+        tl.store(u_bh + rows[:, None] * HV * DV, x, mask=rm & vm)
+        tl.debug_barrier()  # later row blocks of this program re-read these rows
+        acc += tl.dot(m_d, x, input_precision=SPREC)
+        tl.store(o + ((b * N + rows[:, None]) * HV + hv) * DV + offs_v[None, :], acc.to(o.dtype.element_ty),
+                 mask=rm & vm)
+        x, acc, m_d = x_n, acc_n, m_n
 
 
 @triton.jit
@@ -188,7 +435,10 @@ def _block_v(dv: int) -> int:
 def gdn_tree_verify(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     parents: torch.Tensor, initial_state: torch.Tensor, scale: float | None = None, kernel: str = "chunk",
-    ancestors: torch.Tensor | None = None, block_size: int = 16,
+    ancestors: torch.Tensor | None = None, block_size: int = 16, *, solve: str = "split",
+    precision: str = "tf32", solve_precision: str = "ieee", block_v: int | None = 32,
+    num_warps: int | None = None, num_stages: int | None = 1, gram_pairs: bool = True,
+    state_block_v: int = 64, solve_width: int | None = None, fuse_gram: bool = False,
 ) -> tuple[torch.Tensor, GDNTreeContext]:
     """Outputs of all N tree nodes of one GDN layer from the committed state; writes no state.
 
@@ -197,18 +447,46 @@ def gdn_tree_verify(
     the step's shared bitsets ``[B, N, ceil(N/64)]`` (built from parents when omitted). ``block_size``:
     the chunk kernel's row block (16 or 32). Returns ``o [B, N, HV, dv]`` in v's dtype and the
     context for :func:`gdn_tree_commit`. CPU tensors without the Triton interpreter use the torch twin.
+
+    The defaults are the fastest configuration of the H200 sweep at Qwen3.6-27B shapes (``python -m
+    benchmarks.bench_tree_kernels --sweep``: 13.4 / 34.8 / 77.1 µs per layer at N = 16 / 65 / 129, against
+    14.3 / 64.4 / 137.0 for the serial fp32 solver; errors vs the fp32 twin: o 6.3e-3 with bf16 outputs,
+    u 1.8e-4, from the tf32 state products).
+
+    Chunk-kernel tuning (module docstring): ``solve`` "subst" | "split"; ``precision`` / ``solve_precision``
+    "ieee" | "tf32" | "tf32x3" for the state products / all other dots; ``block_v`` the dv block of the
+    serial solve (16, 32, 64; default 32 when dv ≥ 32); ``num_warps`` / ``num_stages`` of the serial solve
+    kernel; ``gram_pairs`` one Gram program per (row, column) block pair; ``state_block_v`` the dv block of
+    the split solver's parallel state-product kernel; ``solve_width`` solved rows per dot in the split
+    solver's substitution (a power-of-2 multiple of ``block_size``; default ``block_size``); ``fuse_gram``
+    (split only) computes the Gram tiles and G inside the state-product kernel: two launches instead of three.
     """
     B, N, HK, HV, R, dk, dv = check_gdn_tree_inputs(q, k, v, g, beta, parents, initial_state)
     if kernel not in ("chunk", "recurrent"):
         raise ValueError(f"kernel must be 'chunk' or 'recurrent', got {kernel!r}")
     if block_size not in (16, 32):
         raise ValueError(f"block_size must be 16 or 32, got {block_size}")
+    if solve not in ("subst", "split"):
+        raise ValueError(f"solve must be 'subst' or 'split', got {solve!r}")
+    if precision not in PRECISIONS or solve_precision not in PRECISIONS:
+        raise ValueError(f"precision and solve_precision must be in {PRECISIONS}, got {precision!r}, "
+                         f"{solve_precision!r}")
+    if block_v is not None and block_v not in (16, 32, 64):
+        raise ValueError(f"block_v must be 16, 32 or 64, got {block_v}")
+    if state_block_v not in (16, 32, 64, 128):
+        raise ValueError(f"state_block_v must be 16, 32, 64 or 128, got {state_block_v}")
+    JW = block_size if solve_width is None else solve_width
+    if JW < block_size or JW & (JW - 1):
+        raise ValueError(f"solve_width must be a power-of-2 multiple of block_size, got {solve_width}")
+    if fuse_gram and solve != "split":
+        raise ValueError("fuse_gram needs solve='split'")
     if not use_triton(q):
         return gdn_tree_verify_reference(q, k, v, g, beta, parents, initial_state, scale, ancestors)
     scale = dk**-0.5 if scale is None else scale
     q, k, v, S0 = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v, initial_state))
     o = torch.empty(B, N, HV, dv, dtype=v.dtype, device=v.device)
-    BK, BV = max(16, triton.next_power_of_2(dk)), _block_v(dv)
+    BK = max(16, triton.next_power_of_2(dk))
+    BV = _block_v(dv) if block_v is None else block_v
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3])
     grid = (triton.cdiv(dv, BV), B * HV)
     if kernel == "recurrent":
@@ -219,18 +497,44 @@ def gdn_tree_verify(
         return o, GDNTreeContext(initial_state=initial_state, snapshots=snap)
     bits = (ancestor_bitsets(parents) if ancestors is None else ancestors).contiguous()
     BT = block_size
-    NP = triton.cdiv(N, BT) * BT
+    nb = triton.cdiv(N, BT)
+    NP = nb * BT
+    LOG_BT = BT.bit_length() - 1
     warps = 4 if BT == 16 else 8  # no register spills on sm_90 at 27B shapes (ptxas -v)
-    kk = torch.empty(B, HK, NP, NP, dtype=torch.float32, device=q.device)
-    qk = torch.empty_like(kk)
+    launch = {"num_warps": warps if num_warps is None else num_warps}
+    if num_stages is not None:
+        launch["num_stages"] = num_stages
     G = torch.empty(B, N, HV, dtype=torch.float32, device=q.device)
     u = torch.empty(B, N, HV, dv, dtype=torch.float32, device=q.device)
-    _gdn_tree_gram_kernel[(triton.cdiv(N, BT), B * HK)](
-        q, k, g, bits, kk, qk, G, N, bits.shape[-1], HK, R, NP, scale,
-        *q.stride()[:3], *k.stride()[:3], *g.stride(), DK=dk, BK=BK, BT=BT, RP=triton.next_power_of_2(R),
-        num_warps=warps)
-    _gdn_tree_solve_kernel[grid](
-        q, k, v, beta, S0, kk, qk, G, u, o, N, HK, R, NP, scale,
-        *strides, *beta.stride(), *S0.stride()[:3],
-        DK=dk, DV=dv, BKC=16, BV=BV, BT=BT, LOG_BT=BT.bit_length() - 1, num_warps=warps)
-    return o, GDNTreeContext(initial_state=initial_state, k=k, u=u, G=G)
+    ctx = GDNTreeContext(initial_state=initial_state, k=k, u=u, G=G)
+    if not fuse_gram:
+        kk = torch.empty(B, HK, NP, NP, dtype=torch.float32, device=q.device)
+        qk = torch.empty_like(kk)
+        _gdn_tree_gram_kernel[(nb, B * HK, nb) if gram_pairs else (nb, B * HK)](
+            q, k, g, bits, kk, qk, G, N, bits.shape[-1], HK, R, NP, scale,
+            *q.stride()[:3], *k.stride()[:3], *g.stride(), DK=dk, BK=BK, BT=BT, RP=triton.next_power_of_2(R),
+            PAIRS=gram_pairs, PREC=solve_precision, num_warps=warps)
+    if solve == "subst":
+        _gdn_tree_solve_kernel[grid](
+            q, k, v, beta, S0, kk, qk, G, u, o, N, HK, R, NP, scale,
+            *strides, *beta.stride(), *S0.stride()[:3],
+            DK=dk, DV=dv, BKC=16, BV=BV, BT=BT, LOG_BT=LOG_BT, PREC=precision, SPREC=solve_precision, **launch)
+        return o, ctx
+    o0 = torch.empty_like(u)
+    At = torch.empty(B, HV, NP, NP, dtype=torch.float32, device=q.device)
+    M = torch.empty_like(At)
+    NSV = triton.cdiv(dv, state_block_v)
+    prep = {"DK": dk, "DV": dv, "BKC": min(32, BK), "BVS": state_block_v, "BT": BT, "LOG_BT": LOG_BT,
+            "PREC": precision, "SPREC": solve_precision, "num_warps": warps}
+    if fuse_gram:
+        _gdn_tree_prep_fused_kernel[(nb, NSV, B * HV)](
+            q, k, v, g, beta, bits, S0, G, u, o0, At, M, N, bits.shape[-1], HK, R, NP, NSV, scale,
+            *strides, *g.stride(), *beta.stride(), *S0.stride()[:3],
+            BK=BK, NPOW=max(16, triton.next_power_of_2(N)), **prep)
+    else:
+        _gdn_tree_prep_kernel[(nb, NSV, B * HV)](
+            q, k, v, beta, S0, kk, qk, G, u, o0, At, M, N, HK, R, NP, NSV, scale,
+            *strides, *beta.stride(), *S0.stride()[:3], **prep)
+    _gdn_tree_subst_kernel[grid](
+        u, o0, At, M, o, N, HV, NP, DV=dv, BV=BV, BT=BT, JW=JW, SPREC=solve_precision, **launch)
+    return o, ctx
