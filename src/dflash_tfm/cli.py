@@ -6,9 +6,18 @@ problem (no traceback) and exits with status 2.
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 
 SPEC_ALGOS = ["NONE", "DFLASH", "DDTREE", "DFLASH_TFM"]
+
+# Subcommands implemented by a module's own `main(argv)` (flags as in the original system's tools).
+DELEGATED = {
+    "serve": ("dflash_tfm.launch_server", "HTTP server (same flags as python -m dflash_tfm.launch_server)"),
+    "bench": ("dflash_tfm.bench.harness", "benchmark a running server (same flags as python -m dflash_tfm.bench_dflash_tfm)"),
+    "gen-data": ("dflash_tfm.train.data", "generate training data: the target's responses to training prompts"),
+    "train-dflash": ("dflash_tfm.train.dflash_trainer", "train a DFlash drafter for a target"),
+}
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -82,22 +91,17 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(gen)
     gen.set_defaults(func=cmd_generate)
 
-    sub.add_parser("serve", help="HTTP server (same flags as python -m dflash_tfm.launch_server)", add_help=False)
-    sub.add_parser("bench", help="benchmark a running server (same flags as python -m dflash_tfm.bench_dflash_tfm)",
-                   add_help=False)
+    for name, (_, help_text) in DELEGATED.items():
+        sub.add_parser(name, help=help_text, add_help=False)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["serve"]:  # the server owns its (original) flag set
-        from dflash_tfm.launch_server import main as serve_main
-
-        return serve_main(argv[1:])
-    if argv[:1] == ["bench"]:  # the harness owns its (original) flag set
-        from dflash_tfm.bench.harness import main as bench_main
-
-        return bench_main(argv[1:]) or 0
+    delegated = DELEGATED.get(argv[0]) if argv else None
+    if delegated is not None:  # these subcommands own their flag sets
+        module, _ = delegated
+        return importlib.import_module(module).main(argv[1:]) or 0
     args = build_parser().parse_args(argv)
     from dflash_tfm.loading.errors import CheckpointError
 

@@ -1,0 +1,144 @@
+"""A trainable DFlash drafter for a target, and its export in the published z-lab layout.
+
+The drafter is built from the same `config.json` dict that is later saved, through `DFlashConfig.from_dict`,
+so what trains is exactly what `load_dflash_drafter` rebuilds. Tensors are exported through the inverse of
+`checkpoint_tensors` (the loader's own name -> parameter map), so names and shapes cannot diverge either.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from dflash_tfm.config import FULL_ATTENTION, ModelConfig
+from dflash_tfm.models.decoder import CausalLM
+from dflash_tfm.spec.dflash import DFlashDrafter, checkpoint_tensors
+from dflash_tfm.spec.dflash_config import (
+    DFLASH_ARCHITECTURE,
+    SLIDING_ATTENTION,
+    DFlashConfig,
+    default_target_layer_ids,
+)
+
+INIT_STD = 0.02  # the Qwen3 / Llama initializer_range
+
+
+def default_mask_token_id(tokenizer: object | None, vocab_size: int) -> int:
+    """The id fed at block positions 1 .. B-1. Its embedding is the target's (frozen), so any id works
+    functionally; one that never occurs in chat data keeps the mask distinguishable from a real root token.
+
+    Order: the tokenizer's own mask token; else the highest added/special id that is not bos/eos/pad/unk and
+    does not occur in a rendered chat (SmolLM2: 16 `<empty_output>`, a StarCoder-era special unused in chat);
+    else, without a tokenizer or such an id, the last id of the vocabulary (the test fixtures' choice).
+    Real Qwen targets ship a dedicated id (Qwen3.6: 248070): pass it explicitly.
+    """
+    if tokenizer is None:
+        return vocab_size - 1
+    mask = getattr(tokenizer, "mask_token_id", None)
+    if isinstance(mask, int) and 0 <= mask < vocab_size:
+        return mask
+    reserved = {getattr(tokenizer, f"{name}_token_id", None) for name in ("bos", "eos", "pad", "unk")}
+    try:
+        chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+        ids = tokenizer.apply_chat_template(chat, tokenize=True)  # type: ignore[attr-defined]
+        reserved |= set(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "input_ids") else ids)
+    except (AttributeError, ValueError, TypeError):
+        pass  # no chat template: nothing more to reserve
+    added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    free = [i for i in added if 0 <= i < vocab_size and i not in reserved]
+    return max(free) if free else vocab_size - 1
+
+
+def drafter_config_dict(
+    target_cfg: ModelConfig,
+    *,
+    num_layers: int,
+    block_size: int,
+    mask_token_id: int,
+    target_layer_ids: list[int] | None = None,
+    layer_types: list[str] | None = None,
+    sliding_window: int | None = None,
+    causal_sliding_in_block: bool = True,
+    dtype: torch.dtype = torch.bfloat16,
+) -> dict:
+    """The drafter's `config.json` (z-lab layout). Width follows the target (the drafter reads its embeddings
+    and lm_head), as do heads, FFN width and RoPE base; taps default to the reference rule
+    (`default_target_layer_ids`). `is_causal` is written explicitly so inference runs sliding layers exactly
+    as they were trained."""
+    layer_types = list(layer_types or [FULL_ATTENTION] * num_layers)
+    if len(layer_types) != num_layers:
+        raise ValueError(f"layer_types has {len(layer_types)} entries for {num_layers} drafter layers")
+    # The reference rule repeats ids on targets with fewer than num_layers + 3 layers; taps must be distinct.
+    taps = list(target_layer_ids) if target_layer_ids is not None else sorted(set(default_target_layer_ids(
+        target_cfg.num_layers, num_layers)))
+    sliding = SLIDING_ATTENTION in layer_types
+    if sliding and not sliding_window:
+        raise ValueError("sliding_attention layers need a sliding_window")
+    return {
+        "architectures": [DFLASH_ARCHITECTURE],
+        "model_type": "qwen3",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "hidden_act": "silu",
+        "hidden_size": target_cfg.hidden_size,
+        "intermediate_size": target_cfg.intermediate_size,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": target_cfg.num_heads,
+        "num_key_value_heads": target_cfg.num_kv_heads,
+        "head_dim": target_cfg.head_dim,
+        "rms_norm_eps": 1e-6,
+        "rope_parameters": {"rope_type": "default", "rope_theta": target_cfg.rope_theta},
+        "layer_types": layer_types,
+        "sliding_window": sliding_window if sliding else None,
+        "use_sliding_window": sliding,
+        "is_causal": causal_sliding_in_block,
+        "max_position_embeddings": target_cfg.max_position_embeddings,
+        "vocab_size": target_cfg.vocab_size,
+        "tie_word_embeddings": False,
+        "num_target_layers": target_cfg.num_layers,
+        "block_size": block_size,
+        "dflash_config": {"mask_token_id": mask_token_id, "target_layer_ids": taps},
+        "dtype": str(dtype).removeprefix("torch."),
+    }
+
+
+def build_trainable_drafter(raw_config: dict, target: CausalLM, seed: int) -> DFlashDrafter:
+    """A freshly initialised drafter with fp32 (master) weights and gradients on, sharing the target's frozen
+    embeddings and lm_head. Matrices ~ N(0, INIT_STD), norm weights 1 (starting the final norm from the
+    target's instead was tried on SmolLM2: its large weights make the first logits far too confident)."""
+    cfg = DFlashConfig.from_dict(raw_config)
+    cfg.check_fits(target.config)
+    drafter = DFlashDrafter(cfg, target).float()
+    gen = torch.Generator(device=drafter.fc.device).manual_seed(seed)
+    with torch.no_grad():
+        for p in drafter.parameters():
+            if p.dim() == 1:
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, INIT_STD, generator=gen)
+    return drafter.requires_grad_(True).train()
+
+
+def checkpoint_state(drafter: DFlashDrafter) -> dict[str, torch.Tensor]:
+    """Checkpoint name -> the slice of our (fused) parameter it comes from: `checkpoint_tensors` read backwards."""
+    params = dict(drafter.named_parameters())
+    state = {}
+    for name, spec in checkpoint_tensors(drafter.config).items():
+        pieces = spec.assign(torch.empty(spec.shape, device="meta"))
+        if len(pieces) != 1:
+            raise NotImplementedError(f"{name} maps to {len(pieces)} parameter pieces; export expects one")
+        param, row, _ = pieces[0]
+        state[name] = params[param][row : row + spec.shape[0]]
+    return state
+
+
+def save_drafter(drafter: DFlashDrafter, raw_config: dict, out_dir: str | Path, dtype: torch.dtype) -> Path:
+    """Write `config.json` + `model.safetensors` (weights in `dtype`) into `out_dir`; returns it."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {name: t.detach().to("cpu", dtype).contiguous() for name, t in checkpoint_state(drafter).items()}
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(dict(raw_config, dtype=str(dtype).removeprefix("torch.")), indent=2))
+    return out

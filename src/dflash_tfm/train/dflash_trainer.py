@@ -1,0 +1,384 @@
+"""Train a DFlash drafter for a target on the target's own responses (MODELS.md, "Training recipe").
+
+Per step: the frozen target runs over a batch of (prompt + response) sequences and returns its tap-layer
+outputs (no grad) — the context features. In every sequence `anchors_per_seq` random response positions
+become blocks `[token at anchor, MASK x (B-1)]`; `block_forward` runs them all through the drafter at once,
+each seeing the context strictly before its anchor plus its own block, never another block. The loss is
+cross-entropy of block positions k = 1 .. B-1 against the true tokens anchor + k, weighted exp(-(k-1)/gamma)
+(early positions matter most: a chain is accepted only up to its first miss). The target's embeddings and
+lm_head are shared, frozen and not saved; only the drafter's own weights train (fp32 master weights, the
+target's dtype under autocast), with AdamW, linear warm-up then cosine decay, and gradient clipping.
+
+Validation on held-out rows reports per-position acceptance (argmax == target token), the chain's expected
+accepted length sum_k prod_{j<=k} acc_j (the tau-proxy; tau ~ 1 + it), and the mean accepted prefix of
+whole blocks (exact greedy acceptance when the data is the target's greedy output).
+
+    python -m dflash_tfm.train.dflash_trainer --model-path DIR --data data.jsonl --out drafter/ --num-layers 2
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from dflash_tfm.engine.cache import ModelCache
+from dflash_tfm.loading.loader import load_target, parse_dtype
+from dflash_tfm.models.decoder import CausalLM
+from dflash_tfm.spec.dflash import DFlashDrafter
+from dflash_tfm.train.dflash_checkpoint import (
+    build_trainable_drafter,
+    default_mask_token_id,
+    drafter_config_dict,
+    save_drafter,
+)
+from dflash_tfm.train.dflash_forward import block_forward
+
+IGNORE = -100
+
+
+@dataclass
+class Row:
+    """One training sequence: prompt + response token ids (truncated to max_len) and where the response starts."""
+
+    tokens: list[int]
+    prompt_len: int
+
+
+def load_rows(paths: str | Path | list[str | Path], max_len: int) -> list[Row]:
+    """Rows of one or more JSONL files from `dflash_tfm.train.data`. A last line without its newline (a
+    generator killed mid-write) is ignored. Sequences are cut to `max_len`; rows left with fewer than 2
+    response tokens (no anchor with a label) are dropped."""
+    rows = []
+    for path in [paths] if isinstance(paths, (str, Path)) else paths:
+        for line in Path(path).read_text(encoding="utf-8").split("\n")[:-1]:
+            if not line.strip():
+                continue
+            raw = json.loads(line)
+            prompt = list(raw["prompt_ids"])
+            tokens = (prompt + list(raw["response_ids"]))[:max_len]
+            if len(tokens) - len(prompt) >= 2:
+                rows.append(Row(tokens, len(prompt)))
+    return rows
+
+
+@dataclass
+class Batch:
+    tokens: torch.Tensor  # [b, T] right-padded with 0
+    anchors: torch.Tensor  # [b, N]
+    labels: torch.Tensor  # [b, N, B-1], IGNORE beyond the sequence and for padding blocks
+
+
+def make_batch(rows: list[Row], anchors_per_seq: int, block_size: int, gen: torch.Generator,
+               device: torch.device) -> Batch:
+    """Up to `anchors_per_seq` distinct anchors per row, uniform over the response positions that have a
+    next token; rows with fewer candidates repeat their first anchor with all labels ignored."""
+    T = max(len(r.tokens) for r in rows)
+    tokens = torch.zeros(len(rows), T, dtype=torch.long)
+    anchors = torch.zeros(len(rows), anchors_per_seq, dtype=torch.long)
+    labels = torch.full((len(rows), anchors_per_seq, block_size - 1), IGNORE, dtype=torch.long)
+    k = torch.arange(1, block_size)
+    for i, row in enumerate(rows):
+        L = len(row.tokens)
+        tokens[i, :L] = torch.tensor(row.tokens)
+        picked = torch.randperm(L - 1 - row.prompt_len, generator=gen)[:anchors_per_seq] + row.prompt_len
+        anchors[i] = picked[0]
+        anchors[i, : len(picked)] = picked
+        pos = picked.view(-1, 1) + k
+        labels[i, : len(picked)] = torch.where(pos < L, tokens[i, pos.clamp(max=T - 1)], IGNORE)
+    return Batch(tokens.to(device), anchors.to(device), labels.to(device))
+
+
+class TargetFeatures:
+    """The frozen target as a feature extractor: tap-layer outputs of a padded batch (right padding cannot
+    change earlier positions: attention is causal and Gated DeltaNet is a recurrence)."""
+
+    def __init__(self, model: CausalLM, tap_layers: list[int], max_len: int) -> None:
+        self.model, self.tap_layers, self.max_len = model, tuple(tap_layers), max_len
+        self.caches: dict[int, ModelCache] = {}
+
+    @torch.no_grad()
+    def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
+        b, T = tokens.shape
+        if b not in self.caches:
+            embed = self.model.embed_tokens
+            self.caches[b] = ModelCache(self.model.config, self.max_len, b, embed.dtype, embed.device)
+        cache = self.caches[b]
+        cache.reset()
+        positions = torch.arange(T, device=tokens.device).expand(b, T)
+        _, taps = self.model(tokens, positions, cache, kv_len=T, tap_layers=self.tap_layers)
+        return torch.cat(taps, dim=-1)
+
+
+def block_loss_and_hits(
+    drafter: DFlashDrafter, features: torch.Tensor, batch: Batch, decay: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Weighted CE over the valid labels, plus per-label correctness [b, N, B-1] (False where invalid) and
+    the validity mask. The lm_head runs on valid positions only."""
+    hidden = block_forward(drafter, features, batch.tokens, batch.anchors)
+    valid = batch.labels != IGNORE
+    logits = F.linear(hidden[valid], drafter.lm_head_weight).float()
+    targets = batch.labels[valid]
+    weights = decay.expand_as(batch.labels)[valid]
+    ce = F.cross_entropy(logits, targets, reduction="none")
+    loss = (ce * weights).sum() / weights.sum().clamp(min=1e-9)
+    hits = torch.zeros_like(valid)
+    hits[valid] = logits.argmax(-1) == targets
+    return loss, hits, valid
+
+
+@dataclass
+class Validation:
+    """Held-out metrics at one step. acc[k-1]: P(argmax == token) at block position k;
+    accept_len = sum_k prod_{j<=k} acc_j; streak: mean accepted prefix over blocks whose B-1 labels exist."""
+
+    step: int
+    loss: float
+    acc: list[float]
+    accept_len: float
+    streak: float
+
+
+@torch.no_grad()
+def validate(drafter: DFlashDrafter, features: TargetFeatures, rows: list[Row], step: int, *, batch_size: int,
+             anchors_per_seq: int, decay: torch.Tensor, seed: int, autocast: torch.autocast) -> Validation:
+    """Same anchors every call (fixed seed), so validations at different steps compare like with like."""
+    drafter.eval()
+    gen = torch.Generator().manual_seed(seed)
+    B = drafter.config.block_size
+    hits_k = torch.zeros(B - 1)
+    valid_k = torch.zeros(B - 1)
+    loss_sum = weight_sum = streak_sum = blocks = 0.0
+    for s in range(0, len(rows), batch_size):
+        batch = make_batch(rows[s : s + batch_size], anchors_per_seq, B, gen, decay.device)
+        feats = features(batch.tokens)
+        with autocast:
+            loss, hits, valid = block_loss_and_hits(drafter, feats, batch, decay)
+        w = (decay.expand_as(batch.labels) * valid).sum().item()
+        loss_sum, weight_sum = loss_sum + loss.item() * w, weight_sum + w
+        hits_k += hits.sum((0, 1)).cpu()
+        valid_k += valid.sum((0, 1)).cpu()
+        full = valid.all(-1)
+        streak_sum += hits.long().cumprod(-1).sum(-1)[full].sum().item()
+        blocks += full.sum().item()
+    drafter.train()
+    acc = (hits_k / valid_k.clamp(min=1)).tolist()
+    accept_len = sum(math.prod(acc[: k + 1]) for k in range(B - 1))
+    return Validation(step, loss_sum / max(weight_sum, 1e-9), acc, accept_len, streak_sum / max(blocks, 1))
+
+
+@dataclass
+class TrainResult:
+    out_dir: Path
+    drafter: DFlashDrafter
+    config: dict
+    log: list[dict] = field(default_factory=list)  # {"step", "loss", "lr", "grad_norm"} every log_every
+    validations: list[Validation] = field(default_factory=list)  # step 0 (untrained), every eval_every, last
+    saved_step: int | None = None  # the step whose drafter is in out_dir (best validation accept_len)
+
+
+def _lr_factor(step: int, steps: int, warmup: int) -> float:
+    """Linear warm-up to 1 over `warmup` steps, then cosine decay to 0 at `steps`."""
+    if step < warmup:
+        return (step + 1) / warmup
+    return 0.5 * (1.0 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
+
+
+def train_dflash(
+    target: str | Path | CausalLM,
+    data_path: str | Path | list[str | Path],
+    out_dir: str | Path,
+    *,
+    num_layers: int,
+    block_size: int = 16,
+    target_layer_ids: list[int] | None = None,
+    mask_token_id: int | None = None,
+    layer_types: list[str] | None = None,
+    sliding_window: int | None = None,
+    causal_sliding_in_block: bool = True,
+    steps: int = 1000,
+    batch_size: int = 16,
+    lr: float = 6e-4,
+    warmup_frac: float = 0.04,
+    weight_decay: float = 0.0,
+    grad_clip: float = 1.0,
+    gamma: float = 7.0,
+    anchors_per_seq: int = 64,
+    max_len: int = 1024,
+    device: str | torch.device | None = None,
+    dtype: str | torch.dtype = "auto",
+    seed: int = 0,
+    val_frac: float = 0.05,
+    log_every: int = 10,
+    eval_every: int | None = None,
+    tokenizer: object | None = None,
+    progress: bool = True,
+) -> TrainResult:
+    """Train a drafter for `target` (a local checkpoint path, or an already-built `CausalLM`: then `device`
+    and `dtype` are its own and `tokenizer` may be given for the mask-token default) and save it to `out_dir`
+    in the published layout, which `load_dflash_drafter` reads back.
+
+    `mask_token_id` None: `default_mask_token_id` (the tokenizer's mask or an unused special id). With
+    held-out rows (`val_frac` > 0) the drafter of the best validation accept_len is saved (step 0 included),
+    otherwise the last one; `train_log.jsonl` holds every logged step and validation. `eval_every` None:
+    10 validations per run. `result.drafter` is the last state, `result.saved_step` says which was saved.
+    """
+    rows = load_rows(data_path, max_len)  # before the target loads: a bad data path fails fast
+    order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed)).tolist()
+    n_val = min(len(rows) - 1, round(val_frac * len(rows))) if val_frac > 0 else 0
+    val_rows, train_rows = [rows[i] for i in order[:n_val]], [rows[i] for i in order[n_val:]]
+    if not train_rows:
+        raise ValueError(f"no usable training rows in {data_path} (need >= 2 response tokens within max_len)")
+    if isinstance(target, CausalLM):
+        model = target
+        device, dtype = model.embed_tokens.device, model.embed_tokens.dtype
+    else:
+        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        dtype = parse_dtype(("bfloat16" if device.type == "cuda" else "float32") if dtype == "auto" else dtype)
+        loaded = load_target(target, device, dtype, max_positions=max_len, progress=progress)
+        model, tokenizer = loaded.model, tokenizer or loaded.tokenizer
+    model.requires_grad_(False).eval()
+    tcfg = model.config
+    if mask_token_id is None:
+        mask_token_id = default_mask_token_id(tokenizer, tcfg.vocab_size)
+    raw = drafter_config_dict(
+        tcfg, num_layers=num_layers, block_size=block_size, mask_token_id=mask_token_id,
+        target_layer_ids=target_layer_ids, layer_types=layer_types, sliding_window=sliding_window,
+        causal_sliding_in_block=causal_sliding_in_block, dtype=dtype,
+    )
+    drafter = build_trainable_drafter(raw, model, seed)
+    drafter.allocate(max_len + block_size)  # RoPE table for every block position
+    features = TargetFeatures(model, drafter.config.target_layer_ids, max_len)
+
+    decay = torch.exp(-torch.arange(block_size - 1, device=device, dtype=torch.float32) / gamma)
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    optim = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay,
+                              fused=device.type == "cuda")
+    warmup = max(1, round(warmup_frac * steps))
+    sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: _lr_factor(s, steps, warmup))
+    autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
+    eval_every = eval_every or max(1, steps // 10)
+    result = TrainResult(Path(out_dir), drafter, raw)
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    gen = torch.Generator().manual_seed(seed + 2)
+    epoch: list[int] = []
+    bar = tqdm(range(steps), desc="train-dflash", unit="step", disable=not progress)
+    with (Path(out_dir) / "train_log.jsonl").open("w", encoding="utf-8") as log_file:
+
+        def record(entry: dict) -> None:
+            log_file.write(json.dumps(entry) + "\n")
+            log_file.flush()
+
+        def run_validation(step: int) -> None:
+            """Validate, and save the drafter when its accept_len is the best so far: a run that starts to
+            overfit, or is cut short by a time limit, leaves its best drafter behind."""
+            if not val_rows:
+                return
+            v = validate(drafter, features, val_rows, step, batch_size=batch_size, anchors_per_seq=anchors_per_seq,
+                         decay=decay, seed=seed + 1, autocast=autocast)
+            best = max((u.accept_len for u in result.validations), default=-1.0)
+            result.validations.append(v)
+            record({"validation": v.__dict__})
+            if v.accept_len > best:
+                save_drafter(drafter, raw, out_dir, dtype)
+                result.saved_step = step
+            bar.write(f"step {step}: val loss {v.loss:.3f}  acc@1 {v.acc[0]:.3f}  accept_len {v.accept_len:.2f}  "
+                      f"streak {v.streak:.2f}" + ("  (saved)" if result.saved_step == step else ""))
+
+        run_validation(0)
+        for step in bar:
+            if len(epoch) < batch_size:
+                epoch += torch.randperm(len(train_rows), generator=gen).tolist()
+            picked, epoch = epoch[:batch_size], epoch[batch_size:]
+            batch = make_batch([train_rows[i] for i in picked], anchors_per_seq, block_size, gen, device)
+            feats = features(batch.tokens)  # the target runs in its own dtype, as at inference: outside autocast
+            with autocast:
+                loss, _, _ = block_loss_and_hits(drafter, feats, batch, decay)
+            optim.zero_grad(set_to_none=True)
+            loss.backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
+            optim.step()
+            sched.step()
+            done = step + 1
+            if done % log_every == 0 or done == steps:
+                entry = {"step": done, "loss": loss.item(), "lr": sched.get_last_lr()[0], "grad_norm": grad_norm.item()}
+                result.log.append(entry)
+                record(entry)
+                bar.set_postfix(loss=f"{entry['loss']:.3f}", lr=f"{entry['lr']:.2e}")
+            if done % eval_every == 0 or done == steps:
+                run_validation(done)
+    bar.close()
+    if not val_rows:
+        save_drafter(drafter, raw, out_dir, dtype)
+        result.saved_step = steps
+    return result
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dflash-tfm train-dflash", description=__doc__.splitlines()[0])
+    p.add_argument("--model-path", default=None, help="target: HF directory or .gguf (default: embedded SmolLM2)")
+    p.add_argument("--data", nargs="+", required=True, type=Path, help="JSONL file(s) from dflash_tfm.train.data")
+    p.add_argument("--out", required=True, type=Path, help="drafter output directory")
+    p.add_argument("--num-layers", type=int, default=2)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--target-layer-ids", type=int, nargs="+", default=None, help="default: the reference rule")
+    p.add_argument("--mask-token-id", type=int, default=None, help="default: tokenizer mask or an unused special")
+    p.add_argument("--layer-types", nargs="+", default=None, choices=["full_attention", "sliding_attention"])
+    p.add_argument("--sliding-window", type=int, default=None)
+    p.add_argument("--bidirectional-sliding", action="store_true", help="sliding layers non-causal inside a block")
+    p.add_argument("--steps", type=int, default=1000)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--lr", type=float, default=6e-4)
+    p.add_argument("--warmup-frac", type=float, default=0.04)
+    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--grad-clip", type=float, default=1.0)
+    p.add_argument("--gamma", type=float, default=7.0, help="loss weight exp(-(k-1)/gamma) of block position k")
+    p.add_argument("--anchors-per-seq", type=int, default=64)
+    p.add_argument("--max-len", type=int, default=1024, help="prompt + response tokens kept per row")
+    p.add_argument("--device", default=None)
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--val-frac", type=float, default=0.05)
+    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--eval-every", type=int, default=None)
+    p.add_argument("--no-progress", action="store_true")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from dflash_tfm.loading.errors import CheckpointError
+
+    # Batch shapes change every step; lazily compiling the layers' small fused helpers (layers/compile.py)
+    # for each new shape would cost more than it saves.
+    os.environ.setdefault("DFLASH_TFM_COMPILE", "0")
+
+    try:
+        result = train_dflash(
+            args.model_path, args.data, args.out, num_layers=args.num_layers, block_size=args.block_size,
+            target_layer_ids=args.target_layer_ids, mask_token_id=args.mask_token_id, layer_types=args.layer_types,
+            sliding_window=args.sliding_window, causal_sliding_in_block=not args.bidirectional_sliding,
+            steps=args.steps, batch_size=args.batch_size, lr=args.lr, warmup_frac=args.warmup_frac,
+            weight_decay=args.weight_decay, grad_clip=args.grad_clip, gamma=args.gamma,
+            anchors_per_seq=args.anchors_per_seq, max_len=args.max_len, device=args.device, dtype=args.dtype,
+            seed=args.seed, val_frac=args.val_frac, log_every=args.log_every, eval_every=args.eval_every,
+            progress=not args.no_progress,
+        )
+    except (FileNotFoundError, CheckpointError, ValueError) as e:
+        print(f"dflash-tfm train-dflash: error: {e}", file=sys.stderr)
+        return 2
+    saved = next((v for v in result.validations if v.step == result.saved_step), None)
+    summary = "" if saved is None else f": val accept_len {saved.accept_len:.2f}, streak {saved.streak:.2f}"
+    print(f"saved the step-{result.saved_step} drafter to {result.out_dir}{summary}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,194 @@
+"""DFlash drafter training: the training forward equals inference, training learns, the checkpoint round-trips.
+
+Oracles: `DFlashDrafter.draft` (itself tested against a plain re-implementation in tests/spec/test_dflash.py)
+for the training forward's masks and numerics; the untrained drafter for "training helps"; `load_dflash_drafter`
+(strict) for the saved format. The data is synthetic and learnable: greedy continuations of random prompts by a
+tiny random target, i.e. exactly what the drafter is meant to predict.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from dflash_tfm.config import ModelConfig
+from dflash_tfm.engine.cache import ModelCache
+from dflash_tfm.loading.loader import build_model
+from dflash_tfm.models.random_init import init_random_
+from dflash_tfm.spec.dflash import attention_mask, load_dflash_drafter
+from dflash_tfm.train.dflash_checkpoint import default_mask_token_id
+from dflash_tfm.train.dflash_forward import block_attention_mask, block_forward
+from dflash_tfm.train.dflash_trainer import TargetFeatures, load_rows, main, train_dflash
+from tests.train.tiny_chat import save_tiny_chat_model
+
+SW, FULL = "sliding_attention", "full_attention"
+TARGET = dict(model_type="llama", vocab_size=160, hidden_size=64, intermediate_size=96, rms_norm_eps=1e-6,
+              max_position_embeddings=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+              tie_word_embeddings=True, rope_theta=10000.0)
+MAX_LEN = 64
+PROMPT_LEN, NEW_TOKENS = 8, 32
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # hundreds of tiny steps: thread hand-offs would dominate on shared cores
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def target():
+    cfg = ModelConfig.from_dict(TARGET)
+    return init_random_(build_model(cfg, torch.device("cpu"), torch.float32, max_positions=128), seed=1)
+
+
+@torch.no_grad()
+def greedy_rows(model, n: int, seed: int) -> list[dict]:
+    """The target's greedy continuations of n random prompts, batched through one cache."""
+    cache = ModelCache(model.config, PROMPT_LEN + NEW_TOKENS, n, torch.float32, torch.device("cpu"))
+    prompts = torch.randint(3, model.config.vocab_size, (n, PROMPT_LEN), generator=torch.Generator().manual_seed(seed))
+    hidden, _ = model(prompts, torch.arange(PROMPT_LEN).expand(n, -1), cache, kv_len=PROMPT_LEN)
+    out = [model.logits(hidden[:, -1]).argmax(-1)]
+    for pos in range(PROMPT_LEN, PROMPT_LEN + NEW_TOKENS - 1):
+        hidden, _ = model(out[-1].view(n, 1), torch.full((n, 1), pos), cache, kv_len=pos + 1)
+        out.append(model.logits(hidden[:, -1]).argmax(-1))
+    responses = torch.stack(out, 1)
+    return [{"id": f"syn:{i}", "source": "synthetic", "prompt_ids": prompts[i].tolist(),
+             "response_ids": responses[i].tolist()} for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def data_file(target, tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("data") / "greedy.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in greedy_rows(target, 160, seed=0)))
+    return path
+
+
+def test_load_rows_truncates_and_skips_a_torn_last_line(tmp_path):
+    path = tmp_path / "rows.jsonl"
+    full = [{"prompt_ids": [1, 2, 3], "response_ids": [4, 5, 6, 7]}, {"prompt_ids": [1] * 9, "response_ids": [2, 3]}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in full) + '{"prompt_ids": [1, 2], "resp')
+    rows = load_rows(path, max_len=6)
+    assert [(r.tokens, r.prompt_len) for r in rows] == [([1, 2, 3, 4, 5, 6], 3)]  # the 2nd has no response left
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+@pytest.mark.parametrize("layers,window,causal", [
+    ([FULL, FULL], None, True),
+    ([SW, FULL, SW], 3, True),  # window < block: windowing inside the block too
+    ([SW, FULL, SW], 3, False),
+])
+def test_training_forward_equals_draft_of_saved_checkpoint(target, data_file, tmp_path, layers, window, causal):
+    """Blocks computed together in training (several anchors per sequence, two sequences) give the logits
+    `draft` gives for each block alone, on the drafter loaded back from the saved checkpoint."""
+    B = 6
+    result = train_dflash(target, data_file, tmp_path / "d", num_layers=len(layers), block_size=B, layer_types=layers,
+                          target_layer_ids=[0, 2, 3],
+                          sliding_window=window, causal_sliding_in_block=causal, steps=3, batch_size=4, lr=1e-2,
+                          anchors_per_seq=4, max_len=MAX_LEN, val_frac=0.0, progress=False)
+    trained = result.drafter.eval()
+    loaded = load_dflash_drafter(tmp_path / "d", target, target.config, "cpu", torch.float32, max_len=MAX_LEN)
+    assert loaded.config.causal_sliding_in_block == causal
+    rows = load_rows(data_file, MAX_LEN)[:2]
+    tokens = torch.tensor([r.tokens for r in rows])
+    anchors = torch.tensor([[8, 11, 20, 30], [9, 10, 25, 36]])  # adjacent, overlapping and late blocks
+    feats = TargetFeatures(target, loaded.config.target_layer_ids, MAX_LEN)(tokens)
+    with torch.no_grad():
+        hidden = block_forward(trained, feats, tokens, anchors)
+        logits = hidden @ target.lm_head_weight.T
+        for i in range(2):
+            for j, a in enumerate(anchors[i].tolist()):
+                loaded.reset()
+                loaded.append_context(feats[i : i + 1, :a], 0)
+                ref_logits, ref_hidden = loaded.draft(tokens[i, a].view(1), a)
+                assert rel_err(logits[i, j], ref_logits[0]) <= 1e-5, (i, a, rel_err(logits[i, j], ref_logits[0]))
+                assert rel_err(hidden[i, j], ref_hidden[0]) <= 1e-5
+
+
+@pytest.mark.parametrize("window,causal", [(None, True), (None, False), (3, True), (3, False), (20, False)])
+def test_block_mask_is_inference_mask_per_block(window, causal):
+    """Row by row, the training mask restricted to block j's keys is `dflash.attention_mask` for a block at a_j
+    with the context cached at positions < a_j; every other block is invisible."""
+    T, B = 30, 4
+    anchors = torch.tensor([[3, 4, 17, 26]])
+    mask = block_attention_mask(anchors, T, B, window, causal)[0, 0]
+    for j, a in enumerate(anchors[0].tolist()):
+        rows = mask[j * B : (j + 1) * B]
+        kpos = torch.cat((torch.arange(a), torch.full((T - a,), -1), torch.arange(a, a + B)))
+        own = torch.cat((rows[:, :T], rows[:, T + j * B : T + (j + 1) * B]), dim=1)
+        assert torch.equal(own, attention_mask(torch.arange(a, a + B), kpos, window, causal)[0, 0])
+        others = torch.cat((rows[:, T : T + j * B], rows[:, T + (j + 1) * B :]), dim=1)
+        assert not others.any()
+
+
+def test_training_learns_the_targets_continuations(target, data_file, tmp_path):
+    """A few hundred steps cut the held-out loss clearly and raise per-position acceptance and the chain's
+    expected accepted length over the untrained drafter (step-0 validation)."""
+    result = train_dflash(target, data_file, tmp_path / "d", num_layers=1, block_size=4, steps=240, batch_size=8,
+                          anchors_per_seq=8, lr=3e-3, max_len=MAX_LEN, val_frac=0.2, log_every=40, eval_every=120,
+                          progress=False)
+    first, last = result.validations[0], result.validations[-1]
+    assert first.step == 0 and last.step == 240
+    assert last.loss < 0.75 * first.loss, (first, last)
+    assert all(a1 > a0 + 0.1 for a0, a1 in zip(first.acc, last.acc)), (first.acc, last.acc)
+    assert last.accept_len > first.accept_len + 0.2 and last.streak > first.streak + 0.2
+    assert result.log[-1]["loss"] < result.log[0]["loss"]
+    assert result.saved_step == max(result.validations, key=lambda v: v.accept_len).step
+    logged = [json.loads(line) for line in (tmp_path / "d" / "train_log.jsonl").read_text().splitlines()]
+    assert sum("validation" in e for e in logged) == 3 and logged[-1]["validation"]["step"] == 240
+
+
+def test_saved_checkpoint_layout_and_shared_heads(target, data_file, tmp_path):
+    """The published layout (config fields, unprefixed tensor names, no embeddings / lm_head) loads strictly;
+    the target's embeddings stay untouched by training."""
+    embed_before = target.embed_tokens.clone()
+    train_dflash(target, data_file, tmp_path / "d", num_layers=2, block_size=4, target_layer_ids=[0, 3], steps=2,
+                 batch_size=2, anchors_per_seq=2, max_len=MAX_LEN, val_frac=0.0, progress=False)
+    raw = json.loads((tmp_path / "d" / "config.json").read_text())
+    assert raw["architectures"] == ["DFlashDraftModel"] and raw["block_size"] == 4
+    assert raw["dflash_config"] == {"mask_token_id": 159, "target_layer_ids": [0, 3]}
+    assert raw["layer_types"] == [FULL, FULL] and raw["num_target_layers"] == 4
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "d" / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    assert "fc.weight" in names and "layers.1.self_attn.q_proj.weight" in names
+    assert not any("embed" in n or "lm_head" in n for n in names)
+    loaded = load_dflash_drafter(tmp_path / "d", target, target.config, "cpu", torch.float32, max_len=MAX_LEN)
+    assert loaded.fc.shape == (64, 2 * 64)
+    assert torch.equal(target.embed_tokens, embed_before) and not target.embed_tokens.requires_grad
+
+
+def test_default_mask_token_skips_chat_and_special_ids():
+    class Tok:
+        mask_token_id = None
+        bos_token_id, eos_token_id, pad_token_id, unk_token_id = 1, 2, 2, 0
+        added_tokens_decoder = {0: "<unk>", 1: "<s>", 2: "</s>", 3: "<a>", 4: "<b>", 5: "<c>"}
+
+        def apply_chat_template(self, chat, tokenize):
+            return [1, 5, 9, 2]  # the template itself uses <c>
+
+    assert default_mask_token_id(Tok(), 160) == 4
+    assert default_mask_token_id(None, 160) == 159
+    Tok.mask_token_id = 7
+    assert default_mask_token_id(Tok(), 160) == 7
+
+
+def test_cli_trains_from_a_checkpoint_directory(tmp_path, data_file, monkeypatch):
+    """`main` loads a target directory (HF layout, with its tokenizer for the mask default) and saves a drafter."""
+    monkeypatch.setenv("DFLASH_TFM_COMPILE", "0")  # main() sets it for its process; keep it out of the others
+    path = save_tiny_chat_model(tmp_path)
+    out = tmp_path / "drafter"
+    rc = main(["--model-path", str(path), "--data", str(data_file), "--out", str(out), "--num-layers", "1",
+               "--block-size", "4", "--steps", "2", "--batch-size", "2", "--anchors-per-seq", "2", "--max-len", "48",
+               "--device", "cpu", "--val-frac", "0.1", "--no-progress"])
+    assert rc == 0
+    assert json.loads((out / "config.json").read_text())["dflash_config"]["mask_token_id"] == 4  # <extra>, unused
+    assert main(["--model-path", str(path), "--data", str(tmp_path / "missing.jsonl"), "--out", str(out),
+                 "--device", "cpu", "--no-progress"]) == 2
