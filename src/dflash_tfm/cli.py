@@ -17,6 +17,8 @@ DELEGATED = {
     "bench": ("dflash_tfm.bench.harness", "benchmark a running server (same flags as python -m dflash_tfm.bench_dflash_tfm)"),
     "gen-data": ("dflash_tfm.train.data", "generate training data: the target's responses to training prompts"),
     "train-dflash": ("dflash_tfm.train.dflash_trainer", "train a DFlash drafter for a target"),
+    "train-weaver": ("dflash_tfm.train.weaver_trainer", "train a Weaver for a target and its (frozen) drafter"),
+    "demo": ("dflash_tfm.demo", "AR vs DFLASH vs DDTREE vs DFLASH_TFM on held-out prompts: tau, tok/s, speedup"),
 }
 
 

@@ -6,7 +6,7 @@ engine can keep static buffers and CUDA graphs.
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +19,9 @@ from dflash_tfm.layers.mlp import SwiGLU
 from dflash_tfm.layers.norm import RMSNorm
 from dflash_tfm.layers.rotary import RotaryEmbedding
 from dflash_tfm.spec.tree import TreeSpec
+
+if TYPE_CHECKING:  # the engine owns caches; models only receive them
+    from dflash_tfm.engine.cache import ModelCache
 
 
 class DecoderLayer(nn.Module):
@@ -51,7 +54,7 @@ class CausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        cache: "ModelCache",  # noqa: F821 (engine/cache.py; kept out of the import graph of models)
+        cache: "ModelCache",
         kv_len: int,
         tap_layers: tuple[int, ...] = (),
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -90,7 +93,7 @@ class CausalLM(nn.Module):
     def verify(
         self,
         tree: TreeSpec,
-        cache: "ModelCache",  # noqa: F821
+        cache: "ModelCache",
         cache_len: int,
         tap_layers: tuple[int, ...] = (),
         gdn_kernel: str = "chunk",
@@ -113,7 +116,7 @@ class CausalLM(nn.Module):
         return hidden, taps, saved
 
     def commit(
-        self, cache: "ModelCache", cache_len: int, tree: TreeSpec, saved: dict[int, object],  # noqa: F821
+        self, cache: "ModelCache", cache_len: int, tree: TreeSpec, saved: dict[int, object],
         accepted: torch.Tensor, path_indices: torch.Tensor,
     ) -> None:
         """Commit the accepted root->node path of the last `verify`: accepted [B, N] bool (root included),

@@ -13,9 +13,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from dflash_tfm.config import FULL_ATTENTION, ModelConfig
+from dflash_tfm.config import ModelConfig
 from dflash_tfm.spec.dflash import checkpoint_tensors
-from dflash_tfm.spec.dflash_config import DFLASH_ARCHITECTURE, DFlashConfig, default_target_layer_ids
+from dflash_tfm.spec.dflash_config import DFlashConfig, drafter_config_dict
 
 
 def write_random_dflash_checkpoint(
@@ -38,36 +38,11 @@ def write_random_dflash_checkpoint(
     """
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    layer_types = layer_types or [FULL_ATTENTION] * num_layers
-    taps = target_layer_ids if target_layer_ids is not None else default_target_layer_ids(target_cfg.num_layers, num_layers)
-    raw = {
-        "architectures": [DFLASH_ARCHITECTURE],
-        "model_type": "qwen3",
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "hidden_act": "silu",
-        "hidden_size": target_cfg.hidden_size,
-        "intermediate_size": target_cfg.intermediate_size,
-        "num_hidden_layers": num_layers,
-        "num_attention_heads": target_cfg.num_heads,
-        "num_key_value_heads": target_cfg.num_kv_heads,
-        "head_dim": target_cfg.head_dim,
-        "rms_norm_eps": 1e-6,
-        "rope_parameters": {"rope_type": "default", "rope_theta": target_cfg.rope_theta},
-        "layer_types": layer_types,
-        "sliding_window": sliding_window,
-        "use_sliding_window": sliding_window is not None,
-        "max_position_embeddings": target_cfg.max_position_embeddings,
-        "vocab_size": target_cfg.vocab_size,
-        "tie_word_embeddings": False,
-        "num_target_layers": target_cfg.num_layers,
-        "block_size": block_size,
-        "dflash_config": {
-            "mask_token_id": target_cfg.vocab_size - 1 if mask_token_id is None else mask_token_id,
-            "target_layer_ids": taps,
-        },
-        "dtype": str(dtype).removeprefix("torch."),
-    }
+    raw = drafter_config_dict(
+        target_cfg, num_layers=num_layers, block_size=block_size,
+        mask_token_id=target_cfg.vocab_size - 1 if mask_token_id is None else mask_token_id,
+        target_layer_ids=target_layer_ids, layer_types=layer_types, sliding_window=sliding_window, dtype=dtype,
+    )
     (path / "config.json").write_text(json.dumps(raw, indent=2))
     gen = torch.Generator().manual_seed(seed)
     tensors = {}

@@ -12,15 +12,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from dflash_tfm.config import FULL_ATTENTION, ModelConfig
 from dflash_tfm.models.decoder import CausalLM
 from dflash_tfm.spec.dflash import DFlashDrafter, checkpoint_tensors
-from dflash_tfm.spec.dflash_config import (
-    DFLASH_ARCHITECTURE,
-    SLIDING_ATTENTION,
-    DFlashConfig,
-    default_target_layer_ids,
-)
+from dflash_tfm.spec.dflash_config import DFlashConfig
 
 INIT_STD = 0.02  # the Qwen3 / Llama initializer_range
 
@@ -49,59 +43,6 @@ def default_mask_token_id(tokenizer: object | None, vocab_size: int) -> int:
     added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
     free = [i for i in added if 0 <= i < vocab_size and i not in reserved]
     return max(free) if free else vocab_size - 1
-
-
-def drafter_config_dict(
-    target_cfg: ModelConfig,
-    *,
-    num_layers: int,
-    block_size: int,
-    mask_token_id: int,
-    target_layer_ids: list[int] | None = None,
-    layer_types: list[str] | None = None,
-    sliding_window: int | None = None,
-    causal_sliding_in_block: bool = True,
-    dtype: torch.dtype = torch.bfloat16,
-) -> dict:
-    """The drafter's `config.json` (z-lab layout). Width follows the target (the drafter reads its embeddings
-    and lm_head), as do heads, FFN width and RoPE base; taps default to the reference rule
-    (`default_target_layer_ids`). `is_causal` is written explicitly so inference runs sliding layers exactly
-    as they were trained."""
-    layer_types = list(layer_types or [FULL_ATTENTION] * num_layers)
-    if len(layer_types) != num_layers:
-        raise ValueError(f"layer_types has {len(layer_types)} entries for {num_layers} drafter layers")
-    # The reference rule repeats ids on targets with fewer than num_layers + 3 layers; taps must be distinct.
-    taps = list(target_layer_ids) if target_layer_ids is not None else sorted(set(default_target_layer_ids(
-        target_cfg.num_layers, num_layers)))
-    sliding = SLIDING_ATTENTION in layer_types
-    if sliding and not sliding_window:
-        raise ValueError("sliding_attention layers need a sliding_window")
-    return {
-        "architectures": [DFLASH_ARCHITECTURE],
-        "model_type": "qwen3",
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "hidden_act": "silu",
-        "hidden_size": target_cfg.hidden_size,
-        "intermediate_size": target_cfg.intermediate_size,
-        "num_hidden_layers": num_layers,
-        "num_attention_heads": target_cfg.num_heads,
-        "num_key_value_heads": target_cfg.num_kv_heads,
-        "head_dim": target_cfg.head_dim,
-        "rms_norm_eps": 1e-6,
-        "rope_parameters": {"rope_type": "default", "rope_theta": target_cfg.rope_theta},
-        "layer_types": layer_types,
-        "sliding_window": sliding_window if sliding else None,
-        "use_sliding_window": sliding,
-        "is_causal": causal_sliding_in_block,
-        "max_position_embeddings": target_cfg.max_position_embeddings,
-        "vocab_size": target_cfg.vocab_size,
-        "tie_word_embeddings": False,
-        "num_target_layers": target_cfg.num_layers,
-        "block_size": block_size,
-        "dflash_config": {"mask_token_id": mask_token_id, "target_layer_ids": taps},
-        "dtype": str(dtype).removeprefix("torch."),
-    }
 
 
 def build_trainable_drafter(raw_config: dict, target: CausalLM, seed: int) -> DFlashDrafter:

@@ -33,12 +33,8 @@ from dflash_tfm.engine.cache import ModelCache
 from dflash_tfm.loading.loader import load_target, parse_dtype
 from dflash_tfm.models.decoder import CausalLM
 from dflash_tfm.spec.dflash import DFlashDrafter
-from dflash_tfm.train.dflash_checkpoint import (
-    build_trainable_drafter,
-    default_mask_token_id,
-    drafter_config_dict,
-    save_drafter,
-)
+from dflash_tfm.spec.dflash_config import drafter_config_dict
+from dflash_tfm.train.dflash_checkpoint import build_trainable_drafter, default_mask_token_id, save_drafter
 from dflash_tfm.train.dflash_forward import block_forward
 
 IGNORE = -100

@@ -1,0 +1,297 @@
+"""`dflash-tfm demo`: the README's main job. How much faster does one sequence decode with each algorithm?
+
+Loads the embedded SmolLM2-135M-Instruct target (or ``--target-path``) once and a bundle directory holding a
+trained DFlash drafter (``dflash/``) and Weaver (``weaver.pth``); then decodes a few held-out prompts per dataset
+(MT-Bench, HumanEval, GSM8K test, MATH500, from ``dflash_tfm.bench.datasets``) with AR, DFLASH, DDTREE and
+DFLASH_TFM, and prints τ (tokens per target forward), tokens/s and the speedup over AR per dataset and algorithm,
+plus the macro average over datasets.
+
+Why it is measured this way: one target is loaded and only the decoder is swapped (``build_decoder``), so every
+algorithm sees the same weights and caches; on a GPU each algorithm first decodes one untimed request reaching
+past the longest timed one (CUDA-graph capture and kernel compilation stay out of the numbers; a CPU has
+nothing to warm);
+tok/s = Σ tokens / Σ wall-clock per request, prefill included, as the benchmark harness counts it (BENCHMARK.md);
+sampled runs use seed + prompt index for every algorithm. On a CPU a verify pass costs about its node count in
+compute, so speculative decoding only pays off there with a high τ; the GPU (memory-bound) is where it shines.
+
+Without a bundle the demo says so and runs AR only; ``--random-bundle`` writes random drafter and Weaver
+checkpoints in the published formats to show the machinery, and labels the table "untrained".
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from rich.console import Console
+from rich.table import Table
+from tqdm.auto import tqdm
+
+from dflash_tfm.config import ModelConfig
+
+if TYPE_CHECKING:
+    from dflash_tfm import Engine
+
+DEFAULT_BUNDLE = Path(__file__).resolve().parent / "assets" / "smollm2_bundle"
+DEMO_DATASETS = ("mtbench", "humaneval", "gsm8k", "math500")
+ALGORITHMS = ("AR", "DFLASH", "DDTREE", "DFLASH_TFM")
+UNTRAINED = "untrained: τ not meaningful"
+# (prompts per dataset, max new tokens): a CPU run finishes in minutes, a GPU run gives steadier numbers.
+SIZES = {"cpu": (2, 48), "cuda": (10, 256)}
+RANDOM_BUNDLE_CPU_SIZES = (1, 32)  # random weights accept nothing (τ = 1): every token costs a whole tree verify
+BLOCK_MARGIN = 16  # room for one draft block past the last generated token
+
+
+@dataclass(frozen=True)
+class Bundle:
+    """Checkpoints the speculative algorithms need; a missing part disables the algorithms that need it."""
+
+    dflash: Path | None
+    weaver: Path | None
+    label: str
+
+    def algorithms(self) -> list[str]:
+        algorithms = ["AR"]
+        if self.dflash is not None:
+            algorithms += ["DFLASH", "DDTREE"] + (["DFLASH_TFM"] if self.weaver is not None else [])
+        return algorithms
+
+
+def find_bundle(path: Path) -> tuple[Bundle, list[str]]:
+    """The bundle at ``path`` (``dflash/`` + ``weaver.pth``) and one-line notes on whatever is missing."""
+    dflash = path / "dflash" if (path / "dflash" / "config.json").is_file() else None
+    weaver = path / "weaver.pth" if (path / "weaver.pth").is_file() else None
+    if dflash is None:
+        return Bundle(None, None, "AR only (no bundle)"), [
+            f"no trained bundle at {path} (expected dflash/ and weaver.pth): running AR only. Train one with "
+            "`dflash-tfm train-dflash` and `dflash-tfm train-weaver`, or pass --random-bundle to see the machinery "
+            "with random weights."]
+    notes = [] if weaver else [f"{path / 'weaver.pth'} is missing: DFLASH_TFM skipped"]
+    return Bundle(dflash, weaver, f"bundle {path}"), notes
+
+
+def write_random_bundle(root: Path, cfg: ModelConfig) -> Bundle:
+    """Random drafter (1 layer, block 16) and Weaver (variant 1) for ``cfg`` in the published formats."""
+    from dflash_tfm.spec.fixtures import write_random_dflash_checkpoint
+    from dflash_tfm.spec.weaver_fixtures import write_random_weaver_checkpoint
+
+    write_random_dflash_checkpoint(root / "dflash", cfg, num_layers=1, block_size=16)
+    write_random_weaver_checkpoint(root / "weaver.pth", cfg, variant=1)
+    return Bundle(root / "dflash", root / "weaver.pth", UNTRAINED)
+
+
+def load_demo_prompts(
+    names: list[str], per_dataset: int, dataset_dir: Path | None,
+) -> tuple[dict[str, list[str]], list[str]]:
+    """``per_dataset`` seeded held-out prompts per dataset (the harness's subsample); a dataset that is not
+    available offline becomes a one-line note instead of an error."""
+    from dflash_tfm.bench.datasets import DatasetUnavailable, prepare_dataset
+
+    prompts, notes = {}, []
+    for name in names:
+        try:
+            prompts[name] = [p.text for p in prepare_dataset(name, limit=per_dataset, dataset_dir=dataset_dir).prompts]
+        except DatasetUnavailable as e:
+            notes.append(f"skip {name}: {e}")
+    return prompts, notes
+
+
+def fit_prompts(
+    engine: Engine, prompts: dict[str, list[str]], max_new_tokens: int,
+) -> tuple[dict[str, list[str]], list[str]]:
+    """Drop prompts whose request would run into the end of the static caches (there the speculative decoders
+    fall back to plain decode steps, which would skew τ), with a note per dataset."""
+    limit = engine.max_model_len - max_new_tokens - BLOCK_MARGIN
+    fitted, notes = {}, []
+    for name, texts in prompts.items():
+        kept = [t for t in texts if len(engine.encode_prompt(t, chat=True)) <= limit]
+        if len(kept) < len(texts):
+            notes.append(f"{name}: skipped {len(texts) - len(kept)} prompt(s) longer than {limit} tokens "
+                         "(raise --max-model-len)")
+        if kept:
+            fitted[name] = kept
+    return fitted, notes
+
+
+@dataclass
+class Cell:
+    """One (dataset, algorithm) entry: totals over its prompts and the per-request τ."""
+
+    dataset: str
+    algorithm: str
+    tokens: int = 0
+    seconds: float = 0.0
+    taus: list[float] = field(default_factory=list)
+
+    @property
+    def tau(self) -> float:
+        return sum(self.taus) / len(self.taus) if self.taus else 0.0
+
+    @property
+    def tok_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+def warm_up(engine: Engine, texts: list[str], max_new_tokens: int, temperature: float, seed: int) -> None:
+    """GPU only: decode from the shortest prompt to beyond where the longest request will end, so every key-length
+    bucket's CUDA graph is captured and every compiled shape is built before anything is timed."""
+    from dflash_tfm import SamplingParams
+
+    lengths = [len(engine.encode_prompt(t, chat=True)) for t in texts]
+    shortest = min(range(len(texts)), key=lengths.__getitem__)
+    reach = min(max(lengths) + max_new_tokens, engine.max_model_len - 1) - lengths[shortest]
+    params = SamplingParams(temperature=temperature, max_new_tokens=max(1, reach), seed=seed, ignore_eos=True)
+    engine.generate(texts[shortest], params, chat=True)
+
+
+def run_algorithms(
+    engine: Engine, bundle: Bundle, prompts: dict[str, list[str]], *, max_new_tokens: int, temperature: float,
+    budget: int, seed: int, progress: bool = True,
+) -> list[Cell]:
+    """Decode every prompt with every algorithm the bundle allows, one decoder at a time on one target."""
+    from dflash_tfm import SamplingParams
+    from dflash_tfm.engine.decoder_factory import build_decoder
+
+    algorithms = bundle.algorithms()
+    every_text = [t for texts in prompts.values() for t in texts]
+    cells: list[Cell] = []
+    total = len(algorithms) * sum(len(t) for t in prompts.values())
+    with tqdm(total=total, desc="demo", unit="request", disable=not progress) as bar:
+        for algo in algorithms:
+            engine.decoder = build_decoder(engine.runner, engine.config, None if algo == "AR" else algo,
+                                           bundle.dflash, bundle.weaver, budget, None, "chunk")
+            if every_text and engine.device.type == "cuda":
+                warm_up(engine, every_text, max_new_tokens, temperature, seed)
+            for dataset, texts in prompts.items():
+                cell = Cell(dataset, algo)
+                for i, text in enumerate(texts):
+                    params = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, seed=seed + i)
+                    start = time.perf_counter()
+                    out = engine.generate(text, params, chat=True)
+                    cell.seconds += time.perf_counter() - start
+                    cell.tokens += out.stats.completion_tokens
+                    cell.taus.append(out.stats.accept_length)
+                    bar.set_postfix_str(f"{algo} {dataset}")
+                    bar.update()
+                cells.append(cell)
+    return cells
+
+
+def summarize(cells: list[Cell]) -> list[dict]:
+    """Table rows: per dataset and algorithm, then "Macro Avg" per algorithm (unweighted means over datasets;
+    its speedup = mean tok/s ÷ mean AR tok/s, as the harness divides by the mean baseline)."""
+    ar = {c.dataset: c.tok_s for c in cells if c.algorithm == "AR"}
+    datasets = list(dict.fromkeys(c.dataset for c in cells))
+    rows = [{"dataset": c.dataset, "algorithm": c.algorithm, "prompts": len(c.taus), "tokens": c.tokens,
+             "tau": c.tau, "tok_s": c.tok_s, "speedup": c.tok_s / ar[c.dataset] if ar.get(c.dataset) else None}
+            for d in datasets for c in cells if c.dataset == d]
+    ar_mean = sum(ar.values()) / len(ar) if ar else 0.0
+    for algo in dict.fromkeys(c.algorithm for c in cells):
+        mine = [c for c in cells if c.algorithm == algo]
+        tok_s = sum(c.tok_s for c in mine) / len(mine)
+        rows.append({"dataset": "Macro Avg", "algorithm": algo, "prompts": sum(len(c.taus) for c in mine),
+                     "tokens": sum(c.tokens for c in mine), "tau": sum(c.tau for c in mine) / len(mine),
+                     "tok_s": tok_s, "speedup": tok_s / ar_mean if ar_mean else None})
+    return rows
+
+
+def render(rows: list[dict], title: str, console: Console) -> None:
+    """One rich table, a section per dataset, Macro Avg last (rich prints plain box text when not a terminal)."""
+    table = Table(title=title)
+    for name, justify in (("dataset", "left"), ("algorithm", "left"), ("prompts", "right"), ("tokens", "right"),
+                          ("τ", "right"), ("tok/s", "right"), ("speedup", "right")):
+        table.add_column(name, justify=justify)  # type: ignore[arg-type]
+    previous = None
+    for r in rows:
+        if previous is not None and r["dataset"] != previous:
+            table.add_section()
+        previous = r["dataset"]
+        speedup = "-" if r["speedup"] is None else f"{r['speedup']:.2f}x"
+        table.add_row(r["dataset"], r["algorithm"], str(r["prompts"]), str(r["tokens"]), f"{r['tau']:.2f}",
+                      f"{r['tok_s']:.1f}", speedup)
+    console.print(table)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dflash-tfm demo", description=__doc__.splitlines()[0])
+    p.add_argument("--target-path", "--model-path", dest="target_path", default=None,
+                   help="target HF dir or .gguf (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--bundle", type=Path, default=DEFAULT_BUNDLE, help="directory with dflash/ and weaver.pth")
+    p.add_argument("--random-bundle", action="store_true",
+                   help="use random drafter/Weaver checkpoints (shows the machinery; τ is not meaningful)")
+    p.add_argument("--datasets", nargs="+", default=list(DEMO_DATASETS), help="from " + " ".join(DEMO_DATASETS))
+    p.add_argument("--prompts-per-dataset", type=int, default=None,
+                   help="default: 2 on CPU (1 with --random-bundle), 10 on GPU")
+    p.add_argument("--max-new-tokens", type=int, default=None,
+                   help="default: 48 on CPU (32 with --random-bundle), 256 on GPU")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--budget", type=int, default=64, help="DDTREE / DFLASH_TFM tree budget (nodes below the root)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed of prompt i is seed + i")
+    p.add_argument("--device", default=None, help="cuda, cpu (default: cuda if available)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU intra-op threads (default: torch's); 1 is often faster on shared, oversubscribed CPUs")
+    p.add_argument("--max-model-len", type=int, default=1024,
+                   help="static cache length; on a CPU every tree verify reads all of it, so keep it small")
+    p.add_argument("--dataset-dir", type=Path, default=None, help="extra directory of <dataset>.jsonl prompt files")
+    p.add_argument("--json", type=Path, default=None, help="also write the table rows and settings as JSON here")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``dflash-tfm demo``. Input and checkpoint errors print one line and return 2."""
+    from dflash_tfm import Engine
+    from dflash_tfm.loading.errors import CheckpointError
+
+    args = build_parser().parse_args(argv)
+    console = Console()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        per_dataset, max_new = SIZES.get(device.type, SIZES["cpu"])
+        if args.random_bundle and device.type == "cpu":
+            per_dataset, max_new = RANDOM_BUNDLE_CPU_SIZES
+        per_dataset = args.prompts_per_dataset or per_dataset
+        max_new = args.max_new_tokens or max_new
+        prompts, notes = load_demo_prompts(args.datasets, per_dataset, args.dataset_dir)
+        if not prompts:
+            raise ValueError("no dataset is available offline: " + "; ".join(notes))
+        engine = Engine(args.target_path, device=device, dtype=args.dtype, max_model_len=args.max_model_len)
+        prompts, fit_notes = fit_prompts(engine, prompts, max_new)
+        notes += fit_notes
+        if not prompts:
+            raise ValueError("every prompt is too long for --max-model-len: " + "; ".join(fit_notes))
+        with tempfile.TemporaryDirectory(prefix="dflash_tfm_demo_") as tmp:
+            if args.random_bundle:
+                bundle = write_random_bundle(Path(tmp), engine.config)
+            else:
+                bundle, bundle_notes = find_bundle(args.bundle)
+                notes += bundle_notes
+            for note in notes:
+                console.print(note, markup=False, highlight=False)
+            cells = run_algorithms(engine, bundle, prompts, max_new_tokens=max_new, temperature=args.temperature,
+                                   budget=args.budget, seed=args.seed)
+    except (FileNotFoundError, CheckpointError, ValueError) as e:
+        print(f"dflash-tfm demo: error: {e}", file=sys.stderr)
+        return 2
+    rows = summarize(cells)
+    title = (f"{engine.model_path.name} on {device.type} ({engine.dtype}), {bundle.label}; "
+             f"{max_new} new tokens, temperature {args.temperature}, budget {args.budget}")
+    render(rows, title, console)
+    if args.json:
+        settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+        settings.update(device=str(device), prompts_per_dataset=per_dataset, max_new_tokens=max_new, label=bundle.label)
+        args.json.write_text(json.dumps({"settings": settings, "rows": rows,
+                                         "cells": [asdict(c) for c in cells]}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,457 @@
+"""Train a Weaver for a frozen target + DFlash drafter pair (MODELS.md "Weaver", training; issue 5 item 3).
+
+What is learnt: at a committed length L the drafter has seen the context [0, L) and drafts a block whose root is
+the token at L. Along the TRUE continuation (the target-generated tokens at L+1 … L+K of a training row) Weaver's
+node at depth d (path tokens L … L+d) re-scores the depth-(d + 1) candidate pool (top ``pool_size`` DFlash
+logits); the loss is KL(p_target ‖ q_weaver) over that pool, where p_target is the target's next-token
+distribution at position L+d restricted to the pool and renormalised (+ ``tv_weight`` · total variation).
+Those are exactly the quantities the tree search ranks children by, so lowering them raises acceptance.
+
+Why it is built this way:
+- one target forward over prompt + response gives, for every position, the drafter context (tap outputs), the
+  prefix row ``h_target`` (final-normed hidden at L − 1) and p_target along the path (the path tokens ARE the
+  response tokens), so several positions of a row share one target pass;
+- the drafter runs its real cached ``draft`` (batch 1) at each L; the Weaver runs its real ``encode_prefix`` /
+  ``step`` / ``child_logits`` on a chain tree (node d's ancestors = the path root … d), so training and
+  inference cannot drift apart;
+- ``prepare`` precomputes ``token_table`` and ``W_res`` without gradients (inference needs them once); training
+  re-derives both from the parameters once per optimizer step, so ``token_in``, ``embed_norm`` and
+  ``lm_head_query_in`` are learnt through the very tables inference uses;
+- a fresh Weaver starts with ``lm_head_query_in = 0``: its re-scoring is then exactly the DFlash marginals, and
+  training can only move it away from that baseline where the target says so.
+
+Data: JSONL rows ``{"prompt_ids": [...], "response_ids": [...]}`` (target-generated responses; other fields are
+ignored). Output: the published ``torch.save`` format ``{"config", "state_dict", "metadata"}`` that
+``load_weaver`` reads strictly, plus ``<out>.json`` with the arguments and validation history.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import sys
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from dflash_tfm.engine.cache import ModelCache
+from dflash_tfm.models.decoder import CausalLM
+from dflash_tfm.spec.dflash import DFlashDrafter
+from dflash_tfm.spec.weaver import SPECULATOR_KIND, Weaver, WeaverCache, WeaverConfig, WeaverNorm
+
+SCHEDULES = ("wsd", "cosine", "constant")
+WARMUP_FRAC, DECAY_FRAC = 0.04, 0.2  # WSD: 4 % linear warm-up, flat, linear decay to 0 over the last 20 %
+MAX_VAL_POSITIONS = 512
+
+
+@dataclass
+class TrainRow:
+    """One training sequence: prompt + target-generated response token ids, and where the response starts."""
+
+    ids: list[int]
+    prompt_len: int
+
+
+def read_rows(paths: str | Path | list[str | Path], max_seq_len: int) -> list[TrainRow]:
+    """Rows of one or more JSONL files (``dflash_tfm.train.data`` shards) with a non-empty response, truncated to
+    ``max_seq_len`` tokens. A last line without its newline (a generator stopped mid-write) is ignored; any other
+    malformed line is an error naming the file and line."""
+    rows = []
+    for path in [paths] if isinstance(paths, (str, Path)) else paths:
+        for n, line in enumerate(Path(path).read_text(encoding="utf-8").split("\n")[:-1], 1):
+            if not line.strip():
+                continue
+            try:
+                raw = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{n}: not JSON ({e})") from None
+            prompt, response = (raw.get("prompt_ids"), raw.get("response_ids")) if isinstance(raw, dict) else (0, 0)
+            if not all(isinstance(x, list) and all(isinstance(t, int) for t in x) for x in (prompt, response)):
+                raise ValueError(f"{path}:{n}: expected integer lists 'prompt_ids' and 'response_ids'")
+            ids = (prompt + response)[:max_seq_len]
+            if 1 <= len(prompt) < len(ids):
+                rows.append(TrainRow(ids, len(prompt)))
+    if not rows:
+        raise ValueError(f"{paths}: no usable rows (need a non-empty prompt and response)")
+    return rows
+
+
+@dataclass
+class PathBatch:
+    """Frozen-model outputs for B draft positions (K = block size − 1 depths, P = pool size).
+
+    h_target [B, H] and h_dflash [B, K, H] feed Weaver's prefix; tokens [B, K] are the path nodes (depth d =
+    the row's token L + d); valid [B, K] marks depths whose node lies inside the row; pool_ids / pool_logits
+    [B, K, P] are the DFlash candidates of depth d + 1; target_logp [B, K, P] is log p_target over that pool
+    (renormalised) and target_top1 [B, K] the target's argmax over the full vocabulary.
+    """
+
+    h_target: torch.Tensor
+    h_dflash: torch.Tensor
+    tokens: torch.Tensor
+    valid: torch.Tensor
+    pool_ids: torch.Tensor
+    pool_logits: torch.Tensor
+    target_logp: torch.Tensor
+    target_top1: torch.Tensor
+
+    @staticmethod
+    def cat(batches: list[PathBatch]) -> PathBatch:
+        return PathBatch(*(torch.cat([getattr(b, f.name) for b in batches]) for f in fields(PathBatch)))
+
+
+class FrozenTeacher:
+    """The frozen target and drafter: turns (row, positions) into a :class:`PathBatch`."""
+
+    def __init__(self, target: CausalLM, drafter: DFlashDrafter, pool_size: int, max_seq_len: int) -> None:
+        self.target, self.drafter = target, drafter
+        self.block = drafter.config.block_size
+        self.taps = tuple(drafter.config.target_layer_ids)
+        self.pool = min(pool_size, target.config.vocab_size)
+        self.device = target.embed_tokens.device
+        self.cache = ModelCache(target.config, max_seq_len, 1, target.embed_tokens.dtype, self.device)
+        if drafter.max_len < max_seq_len + self.block:
+            drafter.allocate(max_seq_len + self.block)
+
+    @torch.no_grad()
+    def paths(self, row: TrainRow, positions: list[int]) -> PathBatch:
+        """Positions L must satisfy prompt_len <= L < len(row.ids); they are processed in increasing order."""
+        K, T = self.block - 1, len(row.ids)
+        ids = torch.tensor(row.ids, device=self.device)
+        self.cache.reset()
+        hidden, taps = self.target(ids.view(1, T), torch.arange(T, device=self.device).view(1, T), self.cache,
+                                   kv_len=T, tap_layers=self.taps)
+        hidden, feats = hidden[0], torch.cat(taps, dim=-1)
+        starts = torch.tensor(sorted(positions), device=self.device)
+        node_pos = starts[:, None] + torch.arange(K, device=self.device)  # [B, K]: position of the depth-d node
+        valid = node_pos < T
+        node_pos = node_pos.clamp(max=T - 1)
+        target_logits = self.target.logits(hidden[node_pos])  # [B, K, V]: distribution of the child of node d
+        drafts, written = [], 0
+        for L in starts.tolist():
+            # A draft writes its block's K/V over context slots L … L+B−1 as scratch: re-append from the last
+            # draft's start (context K/V depend only on their own tap features, so rewriting them is exact).
+            self.drafter.append_context(feats[:, written:L], written)
+            drafts.append(self.drafter.draft(ids[L : L + 1], L, kv_len=L + self.block))
+            written = L
+        draft_logits = torch.cat([d[0] for d in drafts])  # [B, K, V] fp32
+        pool_logits, pool_ids = draft_logits.topk(self.pool, dim=-1)
+        return PathBatch(
+            h_target=hidden[starts - 1], h_dflash=torch.cat([d[1] for d in drafts]), tokens=ids[node_pos],
+            valid=valid, pool_ids=pool_ids, pool_logits=pool_logits,
+            target_logp=target_logits.gather(-1, pool_ids).log_softmax(-1), target_top1=target_logits.argmax(-1),
+        )
+
+
+def _per_layer(cache: WeaverCache) -> WeaverCache:
+    """The same cache with one K/V tensor per layer. ``step`` writes layer l's node slots in place after layer
+    l − 1's attention saved its K/V for backward; slices of one tensor share autograd's version counter (so
+    that would fail for more than one layer), separate tensors do not."""
+    k, v = [t.clone() for t in cache.k], [t.clone() for t in cache.v]
+    return WeaverCache(k, v, cache.prefix_len)  # type: ignore[arg-type]  # lists index per layer like the tensor
+
+
+def path_log_probs(weaver: Weaver, batch: PathBatch) -> torch.Tensor:
+    """log q_weaver over each depth's pool along the true paths, [B, K, P] fp32, through the inference code:
+    one ``encode_prefix`` per position, one batched ``step`` over the whole chain (root … depth K − 1)."""
+    B, K = batch.tokens.shape
+    device = batch.tokens.device
+    slots = torch.arange(K, device=device)
+    chain = torch.ones(K, K, dtype=torch.bool, device=device).tril()  # inclusive ancestors of node d: 0 … d
+    queries = [
+        weaver.step(_per_layer(weaver.encode_prefix(batch.h_target[b], batch.h_dflash[b], K)), slots,
+                    batch.tokens[b], slots, chain)
+        for b in range(B)
+    ]
+    logits = weaver.child_logits(torch.cat(queries), batch.pool_ids.flatten(0, 1), batch.pool_logits.flatten(0, 1))
+    return logits.log_softmax(-1).view(B, K, -1)
+
+
+def path_losses(logq: torch.Tensor, batch: PathBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean KL(p_target ‖ q) and mean total variation over the valid (position, depth) pairs."""
+    p = batch.target_logp.exp()
+    kl = (p * (batch.target_logp - logq)).sum(-1)
+    tv = 0.5 * (p - logq.exp()).abs().sum(-1)
+    mask = batch.valid.float()
+    return (kl * mask).sum() / mask.sum(), (tv * mask).sum() / mask.sum()
+
+
+def _top1(logq: torch.Tensor, batch: PathBatch) -> torch.Tensor:
+    """Fraction of valid depths whose best pool candidate is the target's argmax token."""
+    best = batch.pool_ids.gather(-1, logq.argmax(-1, keepdim=True)).squeeze(-1)
+    return ((best == batch.target_top1) & batch.valid).sum() / batch.valid.sum()
+
+
+@torch.no_grad()
+def evaluate(weaver: Weaver, batches: list[PathBatch], embed: torch.Tensor, lm_head: torch.Tensor) -> dict[str, float]:
+    """Held-out KL and top-1 agreement of Weaver (with the exact inference tables from ``prepare``) and, as the
+    baseline Weaver has to beat, of the DFlash marginals alone."""
+    weaver.prepare(embed, lm_head)
+    totals = dict.fromkeys(("kl", "top1", "dflash_kl", "dflash_top1"), 0.0)
+    count = 0.0
+    for batch in batches:
+        n = float(batch.valid.sum())
+        logq, base = path_log_probs(weaver, batch), batch.pool_logits.log_softmax(-1)
+        totals["kl"] += float(path_losses(logq, batch)[0]) * n
+        totals["top1"] += float(_top1(logq, batch)) * n
+        totals["dflash_kl"] += float(path_losses(base, batch)[0]) * n
+        totals["dflash_top1"] += float(_top1(base, batch)) * n
+        count += n
+    return {k: v / count for k, v in totals.items()}
+
+
+def lr_multiplier(step: int, steps: int, schedule: str) -> float:
+    """Learning-rate factor at optimizer step ``step`` of ``steps``. WSD = warmup-stable-decay: linear warm-up,
+    a long flat phase at the peak, linear decay to 0 at the end (the schedule the original used)."""
+    warmup = max(1, round(WARMUP_FRAC * steps))
+    if schedule == "constant" or step < warmup:
+        return min(1.0, (step + 1) / warmup)
+    if schedule == "cosine":
+        return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
+    decay_start = steps - max(1, round(DECAY_FRAC * steps))
+    return 1.0 if step < decay_start else max(0.0, (steps - step) / (steps - decay_start))
+
+
+def new_weaver(cfg: WeaverConfig, device: torch.device, dtype: torch.dtype, seed: int) -> Weaver:
+    """A fresh Weaver: linear layers at PyTorch's default init, norms at the identity (w = 1, b = 0),
+    ``pos_emb`` ~ N(0, 0.02), and ``lm_head_query_in = 0`` so that it starts as the DFlash marginals."""
+    torch.manual_seed(seed)
+    weaver = Weaver(cfg)
+    with torch.no_grad():
+        for module in weaver.modules():
+            if isinstance(module, WeaverNorm):
+                module.weight.fill_(1.0)
+                module.bias.zero_()
+        if not cfg.rotary:
+            weaver.pos_emb.normal_(0.0, 0.02)
+        weaver.lm_head_query_in.weight.zero_()
+    return weaver.to(device=device, dtype=dtype)
+
+
+def attach_differentiable_tables(weaver: Weaver, embed: torch.Tensor, lm_head: torch.Tensor) -> None:
+    """``token_table`` and ``W_res`` as functions of the current parameters (what ``prepare`` computes
+    without gradients), for one optimizer step."""
+    weaver.token_table = weaver.token_in(weaver.embed_norm(embed))
+    weaver.w_res = lm_head @ weaver.lm_head_query_in.weight
+
+
+def checkpoint_payload(weaver: Weaver, variant: int) -> dict:
+    """The published format. Variant 2 omits ``activation``/``rope_base``: the original class of that era did
+    not accept them (``load_weaver`` reads the activation off the fc1/fc2 key names)."""
+    cfg = weaver.config
+    config = {k: getattr(cfg, k) for k in ("d_model", "d_embed", "d_rank", "num_layers", "num_heads", "mlp_dim", "K",
+                                           "candidate_pool_size", "encoder_mode", "score_head")}
+    if variant == 1:
+        config.update(activation="swiglu", rope_base=cfg.rope_base)
+    state = {k: v.detach().float().cpu().clone() for k, v in weaver.state_dict().items()}
+    return {"config": config, "state_dict": state, "metadata": {"speculator_kind": SPECULATOR_KIND}}
+
+
+@dataclass
+class WeaverTrainResult:
+    """Where the checkpoint went and the held-out metrics before and after training (see :func:`evaluate`)."""
+
+    out_path: Path
+    val_before: dict[str, float]
+    val_after: dict[str, float]
+    history: list[dict[str, float]]
+
+
+def _sample_positions(row: TrainRow, n: int, rng: random.Random) -> list[int]:
+    """Up to n distinct draft positions L of a row: the response's tokens (L >= prompt_len, so L − 1 exists)."""
+    candidates = range(row.prompt_len, len(row.ids))
+    return rng.sample(candidates, min(n, len(candidates)))
+
+
+def held_out_batches(teacher: FrozenTeacher, rows: list[TrainRow], per_row: int, rng: random.Random) -> list[PathBatch]:
+    """Fixed validation positions (at most MAX_VAL_POSITIONS), computed once and reused at every evaluation."""
+    batches, budget = [], MAX_VAL_POSITIONS
+    for row in rows:
+        if budget <= 0:
+            break
+        positions = _sample_positions(row, min(per_row, budget), rng)
+        batches.append(teacher.paths(row, positions))
+        budget -= len(positions)
+    return batches
+
+
+class PositionSampler:
+    """Training batches: rows in shuffled epochs, ``per_row`` random positions from each (one target pass per row)."""
+
+    def __init__(self, teacher: FrozenTeacher, rows: list[TrainRow], per_row: int, rng: random.Random) -> None:
+        self.teacher, self.rows, self.per_row, self.rng = teacher, rows, per_row, rng
+        self.order: list[TrainRow] = []
+
+    def batch(self, size: int) -> PathBatch:
+        parts = []
+        while size > 0:
+            if not self.order:
+                self.order = list(self.rows)
+                self.rng.shuffle(self.order)
+            row = self.order.pop()
+            positions = _sample_positions(row, min(self.per_row, size), self.rng)
+            parts.append(self.teacher.paths(row, positions))
+            size -= len(positions)
+        return PathBatch.cat(parts)
+
+
+def train_weaver(
+    target: CausalLM, drafter: DFlashDrafter, data_path: str | Path | list[str | Path], out_path: str | Path, *,
+    d_rank: int, num_heads: int, mlp_dim: int, num_layers: int = 1, variant: int = 1, pool_size: int = 512, steps: int,
+    batch_size: int, lr: float = 2e-4, schedule: str = "wsd", tv_weight: float = 0.0,
+    device: str | torch.device | None = None, dtype: torch.dtype = torch.float32, seed: int = 0,
+    val_frac: float = 0.02, log_every: int = 20, eval_every: int = 0, positions_per_row: int = 4,
+    max_seq_len: int = 2048, progress: bool = True,
+) -> WeaverTrainResult:
+    """Train a Weaver of the given shape for ``target`` + ``drafter`` (both frozen) and save it to ``out_path``.
+
+    A batch holds ``batch_size`` draft positions, ``positions_per_row`` per row. ``device`` defaults to the
+    target's; ``dtype`` is the Weaver's training dtype (keep fp32: AdamW master weights; the saved file is fp32
+    and ``load_weaver`` casts it). ``val_frac`` of the rows (at least one) is held out and evaluated before
+    training, every ``eval_every`` steps (0: never in between) and at the end. AdamW (0.9, 0.95), weight decay
+    0.01 on matrices only, gradient clipping at 1.0. Callers on CUDA should set ``DFLASH_TFM_COMPILE=0`` (``main``
+    does): every row has a new length, and compiling the frozen models' fused helpers per shape costs more than it
+    saves.
+    """
+    if variant not in (1, 2):
+        raise ValueError(f"variant must be 1 (swiglu, rotary) or 2 (gelu, pos_emb), got {variant}")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
+    if steps < 1 or batch_size < 1 or positions_per_row < 1 or log_every < 1:
+        raise ValueError("steps, batch_size, positions_per_row and log_every must be >= 1")
+    device = torch.device(device) if device is not None else target.embed_tokens.device
+    if device.type != target.embed_tokens.device.type:
+        raise ValueError(f"Weaver must train on the target's device ({target.embed_tokens.device}), not {device}")
+    rng = random.Random(seed)
+    rows = read_rows(data_path, max_seq_len)
+    rng.shuffle(rows)
+    n_val = max(1, round(val_frac * len(rows))) if len(rows) > 1 else 0
+    val_rows, train_rows = rows[:n_val] or rows, rows[n_val:] or rows
+    teacher = FrozenTeacher(target, drafter, pool_size, max(len(r.ids) for r in rows))
+    embed = target.embed_tokens.detach().to(device, dtype)
+    lm_head = target.lm_head_weight.detach().to(device, dtype)
+    cfg = WeaverConfig.from_dict(dict(  # the same checks a loaded checkpoint gets
+        d_model=target.config.hidden_size, d_embed=embed.shape[1], d_rank=d_rank, num_layers=num_layers,
+        num_heads=num_heads, mlp_dim=mlp_dim, K=drafter.config.block_size - 1, candidate_pool_size=teacher.pool,
+        activation="swiglu" if variant == 1 else "gelu",
+    ))
+    weaver = new_weaver(cfg, device, dtype, seed)
+    val_batches = held_out_batches(teacher, val_rows, positions_per_row, rng)
+    val_before = evaluate(weaver, val_batches, embed, lm_head)
+    history: list[dict[str, float]] = [{"step": 0, **{f"val_{k}": v for k, v in val_before.items()}}]
+
+    sampler = PositionSampler(teacher, train_rows, positions_per_row, rng)
+    groups = [{"params": [p for p in weaver.parameters() if p.dim() >= 2], "weight_decay": 0.01},
+              {"params": [p for p in weaver.parameters() if p.dim() < 2], "weight_decay": 0.0}]  # norms, biases
+    optimizer = torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_multiplier(s, steps, schedule))
+    bar = tqdm(range(1, steps + 1), desc="train-weaver", unit="step", disable=not progress)
+    for step in bar:
+        batch = sampler.batch(batch_size)
+        attach_differentiable_tables(weaver, embed, lm_head)
+        kl, tv = path_losses(path_log_probs(weaver, batch), batch)
+        loss = kl + tv_weight * tv
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(weaver.parameters(), 1.0)
+        optimizer.step()
+        scheduler.step()
+        if step % log_every == 0 or step == steps:
+            record = {"step": step, "loss": loss.item(), "kl": kl.item(), "tv": tv.item(),
+                      "lr": optimizer.param_groups[0]["lr"]}
+            if (eval_every and step % eval_every == 0) or step == steps:
+                record.update({f"val_{k}": v for k, v in evaluate(weaver, val_batches, embed, lm_head).items()})
+            history.append(record)
+            bar.set_postfix({k: f"{v:.3g}" for k, v in record.items() if k != "step"})
+    val_after = {k.removeprefix("val_"): v for k, v in history[-1].items() if k.startswith("val_")}
+
+    out_path = Path(out_path)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    payload = checkpoint_payload(weaver, variant)
+    tmp = out_path.with_name(out_path.name + ".tmp")
+    torch.save(payload, tmp)
+    tmp.replace(out_path)  # a crash mid-write never leaves a truncated checkpoint under the real name
+    summary = {"config": payload["config"], "variant": variant, "steps": steps, "batch_size": batch_size,
+               "positions_per_row": positions_per_row, "lr": lr, "schedule": schedule, "tv_weight": tv_weight,
+               "seed": seed, "train_rows": len(train_rows), "val_rows": len(val_rows), "history": history}
+    out_path.with_name(out_path.name + ".json").write_text(json.dumps(summary, indent=2))
+    return WeaverTrainResult(out_path, val_before, val_after, history)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dflash-tfm train-weaver", description=__doc__.splitlines()[0])
+    p.add_argument("--target-path", "--model-path", dest="target_path", default=None,
+                   help="target HF dir or .gguf (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--draft-model-path", required=True, help="trained DFlash drafter directory (kept frozen)")
+    p.add_argument("--data", nargs="+", required=True, type=Path,
+                   help="JSONL file(s) of {prompt_ids, response_ids} generated by the target (dflash_tfm.train.data)")
+    p.add_argument("--out", required=True, help="Weaver checkpoint to write (.pth)")
+    p.add_argument("--steps", type=int, default=2000)
+    p.add_argument("--batch-size", type=int, default=32, help="draft positions per optimizer step")
+    p.add_argument("--positions-per-row", type=int, default=4)
+    p.add_argument("--lr", type=float, default=2e-4)
+    p.add_argument("--schedule", default="wsd", choices=SCHEDULES)
+    p.add_argument("--d-rank", type=int, default=384)
+    p.add_argument("--num-heads", type=int, default=6)
+    p.add_argument("--mlp-dim", type=int, default=1024)
+    p.add_argument("--num-layers", type=int, default=1)
+    p.add_argument("--variant", type=int, default=1, choices=[1, 2])
+    p.add_argument("--pool-size", type=int, default=512)
+    p.add_argument("--tv-weight", type=float, default=0.0)
+    p.add_argument("--max-seq-len", "--max-len", dest="max_seq_len", type=int, default=2048,
+                   help="rows are truncated to this many tokens")
+    p.add_argument("--device", default=None, help="cuda, cpu (default: cuda if available)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
+                   help="target and drafter dtype (auto: bfloat16 on CUDA, float32 on CPU); Weaver trains in fp32")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--val-frac", type=float, default=0.02)
+    p.add_argument("--log-every", type=int, default=20)
+    p.add_argument("--eval-every", type=int, default=0, help="validate every N steps (0: only first and last)")
+    p.add_argument("--no-progress", action="store_true")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``dflash-tfm train-weaver``: load the target and drafter, train, print the held-out metrics."""
+    from dflash_tfm.loading.errors import CheckpointError
+    from dflash_tfm.loading.loader import load_target, parse_dtype
+    from dflash_tfm.spec.dflash import load_dflash_drafter
+
+    args = build_parser().parse_args(argv)
+    try:
+        missing = [str(p) for p in args.data if not p.is_file()]
+        if missing:  # before the (slow) model loads
+            raise FileNotFoundError(f"training data not found: {', '.join(missing)}")
+        # Row lengths change every step; lazily compiling the layers' small fused helpers (layers/compile.py)
+        # for each new shape of the frozen target and drafter would cost more than it saves.
+        os.environ.setdefault("DFLASH_TFM_COMPILE", "0")
+        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        dtype = parse_dtype(args.dtype if args.dtype != "auto" else
+                            ("bfloat16" if device.type == "cuda" else "float32"))
+        if device.type == "cuda":
+            torch.backends.cuda.matmul.allow_tf32 = True  # the fp32 Weaver's matmuls; accuracy is ample for training
+        loaded = load_target(args.target_path, device, dtype)
+        drafter = load_dflash_drafter(args.draft_model_path, loaded.model, loaded.config, device, dtype)
+        result = train_weaver(
+            loaded.model, drafter, args.data, args.out, d_rank=args.d_rank, num_heads=args.num_heads,
+            mlp_dim=args.mlp_dim, num_layers=args.num_layers, variant=args.variant, pool_size=args.pool_size,
+            steps=args.steps, batch_size=args.batch_size, lr=args.lr, schedule=args.schedule,
+            tv_weight=args.tv_weight, device=device, seed=args.seed, val_frac=args.val_frac,
+            log_every=args.log_every, eval_every=args.eval_every, positions_per_row=args.positions_per_row,
+            max_seq_len=args.max_seq_len, progress=not args.no_progress,
+        )
+    except (FileNotFoundError, CheckpointError, ValueError) as e:
+        print(f"dflash-tfm train-weaver: error: {e}", file=sys.stderr)
+        return 2
+    b, a = result.val_before, result.val_after
+    print(f"saved {result.out_path}\nheld-out KL {b['kl']:.4f} -> {a['kl']:.4f} (DFlash alone {a['dflash_kl']:.4f}); "
+          f"top-1 agreement {b['top1']:.3f} -> {a['top1']:.3f} (DFlash alone {a['dflash_top1']:.3f})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
