@@ -158,13 +158,13 @@ def chat_formatter(args: argparse.Namespace, model_path: str | None) -> tuple[Ca
     candidates = [("--tokenizer-path", args.tokenizer_path)] if args.tokenizer_path else [
         ("--model", args.model), ("server model_path", model_path)]
     for label, path in candidates:
-        if not path or not Path(path).is_dir():
+        local = Path(path) if path else None
+        if local is None or not (local.is_dir() or (local.is_file() and local.suffix == ".gguf")):
             if label == "--tokenizer-path":
-                raise UsageError(f"--tokenizer-path {path} is not a directory")
+                raise UsageError(f"--tokenizer-path {path} is not a model directory or .gguf file")
             continue
-        from transformers import AutoTokenizer  # slow import: only when a tokenizer is there to load
         try:
-            tokenizer = AutoTokenizer.from_pretrained(str(path))
+            tokenizer = _load_tokenizer(local)
         except (OSError, ValueError, ImportError) as e:
             if label == "--tokenizer-path":
                 raise UsageError(f"--tokenizer-path {path}: {e}") from e
@@ -176,6 +176,17 @@ def chat_formatter(args: argparse.Namespace, model_path: str | None) -> tuple[Ca
         thinking = args.reasoning == "on"
         return _templated(tokenizer, thinking), f"chat template of {path} ({label}), enable_thinking={thinking}"
     return (lambda text: text), "NONE: no local tokenizer found, prompts sent unformatted (pass --tokenizer-path)"
+
+
+def _load_tokenizer(path: Path):
+    """A local HF tokenizer directory, or the tokenizer embedded in a GGUF file (as the server loads it)."""
+    if path.is_file():
+        from dflash_tfm.loading.gguf_file import load_gguf_tokenizer
+
+        return load_gguf_tokenizer(path)
+    from transformers import AutoTokenizer  # slow import: only when a tokenizer is there to load
+
+    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
 
 
 # ---- one request --------------------------------------------------------------------------------------
