@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 
 import torch
 
+from benchmarks.timing import time_ms
 from dflash_tfm.config import ModelConfig
 from dflash_tfm.engine.model_runner import ModelRunner
 from dflash_tfm.loading.loader import build_model
@@ -30,32 +30,10 @@ def copy_bandwidth(gib: float = 4.0, iters: int = 20) -> float:
     n = int(gib * 2**30) // 2
     src = torch.randn(n, dtype=torch.bfloat16, device="cuda")
     dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        dst.copy_(src)
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
+    ms = time_ms(lambda: dst.copy_(src), iters, warmup=3)
     del src, dst
     torch.cuda.empty_cache()
-    return 2 * n * 2 / statistics.median(times)
-
-
-def time_ms(fn, iters: int) -> float:
-    """Median milliseconds of fn() measured with CUDA events, one event pair per call."""
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    return 2 * n * 2 / (ms / 1e3)
 
 
 def gemv_only_ms(model, iters: int) -> float:

@@ -17,7 +17,8 @@ from types import SimpleNamespace
 
 import torch
 
-from benchmarks.bench_ar_decode import copy_bandwidth, time_ms
+from benchmarks.bench_ar_decode import copy_bandwidth
+from benchmarks.timing import time_ms
 from dflash_tfm.models.presets import QWEN3_6_27B
 from dflash_tfm.models.random_init import init_random_
 from dflash_tfm.spec.dflash import DFlashDrafter

@@ -15,21 +15,12 @@ import itertools
 import torch
 from triton.testing import do_bench
 
+from benchmarks.timing import time_graph
+
 from dflash_tfm.kernels.gdn.decode import gdn_decode
 from dflash_tfm.kernels.gdn.reference import make_gdn_inputs
 
 HK, HV, DK, DV = 16, 48, 128, 128  # Qwen3.6-27B GDN layer
-
-
-def time_graph(fn, layers: int) -> float:
-    """Median µs per call of ``fn`` (called once per layer index) captured ``layers`` times in one CUDA graph."""
-    fn(0)  # compile / warm up outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for layer in range(layers):
-            fn(layer)
-    return do_bench(graph.replay, warmup=25, rep=200, return_mode="median") * 1e3 / layers
 
 
 def main() -> None:

@@ -16,6 +16,8 @@ import argparse
 import torch
 from triton.testing import do_bench
 
+from benchmarks.timing import time_graph
+
 from dflash_tfm.kernels.gdn.decode import gdn_decode
 from dflash_tfm.kernels.gdn.fused_decode import gdn_fused_decode
 from dflash_tfm.kernels.gdn.reference import make_gdn_inputs
@@ -25,17 +27,6 @@ from dflash_tfm.layers.norm import gated_rms_norm
 HK, HV, DK, DV = 16, 48, 128, 128  # Qwen3.6-27B GDN layer
 CONV_DIM = 2 * HK * DK + HV * DV
 EPS = 1e-6
-
-
-def time_graph(fn, layers: int) -> float:
-    """Median µs per call of ``fn`` (called once per layer index) captured ``layers`` times in one CUDA graph."""
-    fn(0)  # compile / warm up (and allocate the fused kernel's counters) outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for layer in range(layers):
-            fn(layer)
-    return do_bench(graph.replay, warmup=25, rep=200, return_mode="median") * 1e3 / layers
 
 
 def make_layer(batch: int, gen: torch.Generator) -> dict[str, torch.Tensor]:

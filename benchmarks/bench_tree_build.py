@@ -12,7 +12,6 @@ Prints a markdown table of median milliseconds (CUDA events, after warm-up).
 from __future__ import annotations
 
 import argparse
-import statistics
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -20,6 +19,7 @@ from types import SimpleNamespace
 
 import torch
 
+from benchmarks.timing import capture, time_ms
 from dflash_tfm.config import ModelConfig
 from dflash_tfm.spec.chain import build_chain
 from dflash_tfm.spec.ddtree import build_ddtree
@@ -29,35 +29,6 @@ from dflash_tfm.spec.weaver_tree import build_weaver_tree, round_width
 
 VOCAB, HIDDEN, BLOCK = 248320, 5120, 16
 K = BLOCK - 1
-
-
-def median_ms(fn: Callable[[], object], reps: int) -> float:
-    """Median of ``reps`` CUDA-event timings of ``fn`` after 5 warm-up calls."""
-    for _ in range(5):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
-def capture(fn: Callable[[], object]) -> torch.cuda.CUDAGraph:
-    """Capture ``fn`` (warmed up on a side stream first, as CUDA graphs require)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph
 
 
 def main() -> None:
@@ -96,9 +67,9 @@ def main() -> None:
     print("| builder | budget | Weaver rounds × width | eager ms | CUDA graph ms |")
     print("|---|---:|---:|---:|---:|")
     for name, budget, fn in builders:
-        eager = median_ms(fn, args.reps)
+        eager = time_ms(fn, args.reps, warmup=5)
         try:
-            replay = f"{median_ms(capture(fn).replay, args.reps):.3f}"
+            replay = f"{time_ms(capture(fn, warmups=3)[0].replay, args.reps, warmup=5):.3f}"
         except RuntimeError as e:  # report, and keep timing the other builders
             replay = f"capture failed: {str(e).splitlines()[0][:60]}"
         width = round_width(budget, 8)

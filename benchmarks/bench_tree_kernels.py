@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import argparse
 import time
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from triton.testing import do_bench
+
+from benchmarks.timing import time_graph
 
 from dflash_tfm.kernels import gdn_tree_commit, gdn_tree_verify, tree_attention, tree_causal_conv1d, tree_conv_commit
 from dflash_tfm.kernels.gdn.tree_reference import gdn_tree_verify_reference
@@ -34,17 +35,6 @@ from dflash_tfm.spec.tree import ancestor_bitsets, random_parents
 HK, HV, DK, DV = 16, 48, 128, 128            # GDN layer
 H, HKV, HEAD_DIM, CACHE = 24, 4, 256, 4096   # gated attention layer
 CONV_CHANNELS = 2 * HK * DK + HV * DV         # conv over q|k|v
-
-
-def time_graph(fn: Callable[[int], object], layers: int, rep: int = 200) -> float:
-    """Median µs per call of ``fn(layer)``, all ``layers`` calls captured in one CUDA graph."""
-    fn(0)  # compile / warm up outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for layer in range(layers):
-            fn(layer)
-    return do_bench(graph.replay, warmup=25, rep=rep, return_mode="median") * 1e3 / layers
 
 
 def tree(n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -14,27 +14,13 @@ import json
 
 import torch
 
-from benchmarks.bench_ar_decode import time_ms
+from benchmarks.timing import capture, time_ms
 from dflash_tfm.config import ModelConfig
 from dflash_tfm.engine.model_runner import ModelRunner
 from dflash_tfm.loading.loader import build_model
 from dflash_tfm.models.presets import QWEN3_6_27B
 from dflash_tfm.models.random_init import init_random_
 from dflash_tfm.spec.tree import TreeSpec, random_parents
-
-
-def capture(fn):
-    """Warm up fn on a side stream, capture it, return (graph, its outputs)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
-    return graph, out
 
 
 def main() -> None:

@@ -1,0 +1,50 @@
+"""GPU timing helpers shared by the benchmark scripts (CUDA events / graph replay, medians after warm-up)."""
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+
+import torch
+
+
+def time_ms(fn: Callable[[], object], iters: int, warmup: int = 0) -> float:
+    """Median milliseconds of fn() measured with CUDA events, one event pair per call, after `warmup` calls."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def capture(fn: Callable[[], object], warmups: int = 2) -> tuple[torch.cuda.CUDAGraph, object]:
+    """Warm fn up on a side stream (as CUDA graphs require), capture one call; returns (graph, its outputs)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(warmups):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
+def time_graph(fn: Callable[[int], object], layers: int, rep: int = 200) -> float:
+    """Median µs per call of ``fn(layer)``, all ``layers`` calls captured in one CUDA graph (fn(0) runs once
+    first, outside the capture, to compile and allocate)."""
+    from triton.testing import do_bench
+
+    fn(0)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for layer in range(layers):
+            fn(layer)
+    return do_bench(graph.replay, warmup=25, rep=rep, return_mode="median") * 1e3 / layers
