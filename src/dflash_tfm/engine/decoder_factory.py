@@ -40,6 +40,7 @@ def build_decoder(
     from dflash_tfm.spec.dflash import load_dflash_drafter
 
     model = runner.model
+    # The drafter writes its block's K/V as scratch after the context: room for a block past the last position.
     drafter = load_dflash_drafter(
         draft_model_path, model, cfg, runner.device, runner.dtype, max_len=runner.max_len + 64,
     )

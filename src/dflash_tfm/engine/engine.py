@@ -67,7 +67,9 @@ class Engine:
         if dtype == "auto":
             dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
         self.dtype = parse_dtype(dtype)
-        loaded = load_target(model_path, self.device, self.dtype, max_positions=None, progress=progress)
+        # RoPE tables only need the positions the caches can hold (not e.g. Qwen3.6's 262144).
+        loaded = load_target(model_path, self.device, self.dtype, max_positions=max_model_len or DEFAULT_MAX_MODEL_LEN,
+                             progress=progress)
         self.config, self.tokenizer, self.model_path = loaded.config, loaded.tokenizer, loaded.source_path
         limit = min(self.config.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
         self.max_model_len = int(max_model_len or limit)
