@@ -24,6 +24,7 @@ import json
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -152,13 +153,15 @@ def warm_up(engine: Engine, texts: list[str], max_new_tokens: int, temperature: 
 
 def run_algorithms(
     engine: Engine, bundle: Bundle, prompts: dict[str, list[str]], *, max_new_tokens: int, temperature: float,
-    budget: int, seed: int, progress: bool = True,
+    budget: int, seed: int, algorithms: list[str] | None = None, on_cell: Callable[[Cell], None] | None = None,
+    progress: bool = True,
 ) -> list[Cell]:
-    """Decode every prompt with every algorithm the bundle allows, one decoder at a time on one target."""
+    """Decode every prompt with every algorithm the bundle allows (or those of ``algorithms`` it allows), one
+    decoder at a time on one target; ``on_cell`` sees each finished (dataset, algorithm) cell."""
     from dflash_tfm import SamplingParams
     from dflash_tfm.engine.decoder_factory import build_decoder
 
-    algorithms = bundle.algorithms()
+    algorithms = [a for a in bundle.algorithms() if algorithms is None or a in algorithms]
     every_text = [t for texts in prompts.values() for t in texts]
     cells: list[Cell] = []
     total = len(algorithms) * sum(len(t) for t in prompts.values())
@@ -180,6 +183,8 @@ def run_algorithms(
                     bar.set_postfix_str(f"{algo} {dataset}")
                     bar.update()
                 cells.append(cell)
+                if on_cell is not None:
+                    on_cell(cell)
     return cells
 
 

@@ -111,12 +111,13 @@ def test_gsm8k_train_path_override_and_missing_file(tmp_path):
 
 
 def test_rows_are_the_engines_own_generations(engine, tmp_path):
+    """Batched generation (2 slots for 3 prompts) writes, per prompt, what `Engine.generate` gives alone."""
     out = tmp_path / "d.jsonl"
-    summary = generate_training_data(engine, PROMPTS, out, max_new_tokens=5, limit=2, progress=False)
-    rows = read(out)
-    assert summary.written == 2 and [r["id"] for r in rows] == ["syn:0", "syn:1"]
-    for row, prompt in zip(rows, PROMPTS):
-        ids = engine.encode_prompt(prompt.text, chat=True)
+    summary = generate_training_data(engine, PROMPTS, out, max_new_tokens=5, limit=3, batch_size=2, progress=False)
+    rows = {r["id"]: r for r in read(out)}
+    assert summary.written == 3 and sorted(rows) == ["syn:0", "syn:1", "syn:2"]
+    for prompt in PROMPTS[:3]:
+        row, ids = rows[prompt.key], engine.encode_prompt(prompt.text, chat=True)
         assert row["prompt_ids"] == ids and row["source"] == "syn"
         assert row["response_ids"] == engine.generate(ids, SamplingParams(max_new_tokens=5)).token_ids
         assert 1 <= len(row["response_ids"]) <= 5
@@ -124,16 +125,17 @@ def test_rows_are_the_engines_own_generations(engine, tmp_path):
 
 def test_resume_after_a_crash_mid_row(engine, tmp_path):
     """A run cut off mid-line resumes: complete rows are kept, the torn one is regenerated identically
-    (per-prompt seeds), and a finished file is left alone."""
+    (greedy), and a finished file is left alone."""
     out = tmp_path / "d.jsonl"
-    kwargs = dict(max_new_tokens=4, temperature=1.0, seed=5, progress=False)
+    kwargs = dict(max_new_tokens=4, progress=False)
     generate_training_data(engine, PROMPTS, out, limit=3, **kwargs)
     first = out.read_text().splitlines(keepends=True)
     out.write_text(first[0] + first[1][:12])
     summary = generate_training_data(engine, PROMPTS, out, limit=4, **kwargs)
     assert (summary.resumed, summary.written) == (1, 3)
     lines = out.read_text().splitlines(keepends=True)
-    assert lines[:3] == first and [json.loads(line)["id"] for line in lines] == [p.key for p in PROMPTS]
+    assert lines[0] == first[0] and set(first) <= set(lines) and len(lines) == 4
+    assert sorted(json.loads(line)["id"] for line in lines) == [p.key for p in PROMPTS]
     again = generate_training_data(engine, PROMPTS, out, limit=4, **kwargs)
     assert (again.resumed, again.written) == (4, 0) and out.read_text().splitlines(keepends=True) == lines
 
@@ -146,7 +148,7 @@ def test_long_prompts_are_skipped_and_shards_partition(engine, tmp_path):
         s = generate_training_data(engine, prompts, path, max_new_tokens=2, limit=3, max_prompt_tokens=64,
                                    num_shards=2, shard_index=shard, progress=False)
         assert s.too_long == 1
-        ids.append([r["id"] for r in read(path)])
+        ids.append(sorted(r["id"] for r in read(path)))
     assert ids == [["syn:0", "syn:2"], ["syn:1"]]
     with pytest.raises(ValueError, match="shard_index"):
         generate_training_data(engine, prompts, tmp_path / "x.jsonl", num_shards=2, shard_index=2)
@@ -171,7 +173,7 @@ def test_cli_prompts_file_then_generation(model_dir, tmp_path):
                "--limit", "5", "--max-new-tokens", "3", "--device", "cpu", "--dtype", "float32", "--no-progress"])
     assert rc == 0
     rows = read(out)
-    assert [r["id"] for r in rows] == [p.key for p in prompts]
+    assert sorted(r["id"] for r in rows) == sorted(p.key for p in prompts)
     assert all(r["source"] == "gsm8k_train" and 1 <= len(r["response_ids"]) <= 3 for r in rows)
     assert main(["--model-path", str(model_dir), "--out", str(out), "--sources", "gsm8k_train",
                  "--gsm8k-train", str(tmp_path / "nope.jsonl"), "--no-progress"]) == 2

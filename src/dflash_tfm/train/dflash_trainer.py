@@ -36,6 +36,7 @@ from dflash_tfm.spec.dflash import DFlashDrafter
 from dflash_tfm.spec.dflash_config import drafter_config_dict
 from dflash_tfm.train.dflash_checkpoint import build_trainable_drafter, default_mask_token_id, save_drafter
 from dflash_tfm.train.dflash_forward import block_forward
+from dflash_tfm.train.step_budget import StepBudget
 
 IGNORE = -100
 
@@ -214,6 +215,7 @@ def train_dflash(
     val_frac: float = 0.05,
     log_every: int = 10,
     eval_every: int | None = None,
+    time_budget_s: float | None = None,
     tokenizer: object | None = None,
     progress: bool = True,
 ) -> TrainResult:
@@ -224,8 +226,10 @@ def train_dflash(
     `mask_token_id` None: `default_mask_token_id` (the tokenizer's mask or an unused special id). With
     held-out rows (`val_frac` > 0) the drafter of the best validation accept_len is saved (step 0 included),
     otherwise the last one; `train_log.jsonl` holds every logged step and validation. `eval_every` None:
-    10 validations per run. `result.drafter` is the last state, `result.saved_step` says which was saved.
+    10 validations per run. `time_budget_s` lowers `steps` after the first steps so the whole schedule fits
+    (`StepBudget`). `result.drafter` is the last state, `result.saved_step` says which was saved.
     """
+    budget = StepBudget(steps, time_budget_s)
     rows = load_rows(data_path, max_len)  # before the target loads: a bad data path fails fast
     order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed)).tolist()
     n_val = min(len(rows) - 1, round(val_frac * len(rows))) if val_frac > 0 else 0
@@ -258,14 +262,13 @@ def train_dflash(
     optim = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay,
                               fused=device.type == "cuda")
     warmup = max(1, round(warmup_frac * steps))
-    sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: _lr_factor(s, steps, warmup))
+    sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: _lr_factor(s, budget.steps, warmup))
     autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
-    eval_every = eval_every or max(1, steps // 10)
     result = TrainResult(Path(out_dir), drafter, raw)
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     gen = torch.Generator().manual_seed(seed + 2)
     epoch: list[int] = []
-    bar = tqdm(range(steps), desc="train-dflash", unit="step", disable=not progress)
+    bar = tqdm(total=steps, desc="train-dflash", unit="step", disable=not progress)
     with (Path(out_dir) / "train_log.jsonl").open("w", encoding="utf-8") as log_file:
 
         def record(entry: dict) -> None:
@@ -289,7 +292,9 @@ def train_dflash(
                       f"streak {v.streak:.2f}" + ("  (saved)" if result.saved_step == step else ""))
 
         run_validation(0)
-        for step in bar:
+        budget.begin()
+        step = 0
+        while step < budget.steps:
             if len(epoch) < batch_size:
                 epoch += torch.randperm(len(train_rows), generator=gen).tolist()
             picked, epoch = epoch[:batch_size], epoch[batch_size:]
@@ -302,18 +307,23 @@ def train_dflash(
             grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
             optim.step()
             sched.step()
-            done = step + 1
-            if done % log_every == 0 or done == steps:
+            done = step = step + 1
+            bar.update()
+            if budget.after_step(done):
+                bar.total = budget.steps
+                bar.write(f"time budget: {budget.note()}")
+            last = done == budget.steps
+            if done % log_every == 0 or last:
                 entry = {"step": done, "loss": loss.item(), "lr": sched.get_last_lr()[0], "grad_norm": grad_norm.item()}
                 result.log.append(entry)
                 record(entry)
                 bar.set_postfix(loss=f"{entry['loss']:.3f}", lr=f"{entry['lr']:.2e}")
-            if done % eval_every == 0 or done == steps:
+            if done % (eval_every or max(1, budget.steps // 10)) == 0 or last:
                 run_validation(done)
     bar.close()
     if not val_rows:
         save_drafter(drafter, raw, out_dir, dtype)
-        result.saved_step = steps
+        result.saved_step = budget.steps
     return result
 
 
@@ -344,6 +354,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--val-frac", type=float, default=0.05)
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--eval-every", type=int, default=None)
+    p.add_argument("--time-budget-minutes", type=float, default=None,
+                   help="fit --steps to this wall-clock budget (measured over the first steps)")
     p.add_argument("--no-progress", action="store_true")
     return p
 
@@ -365,6 +377,7 @@ def main(argv: list[str] | None = None) -> int:
             weight_decay=args.weight_decay, grad_clip=args.grad_clip, gamma=args.gamma,
             anchors_per_seq=args.anchors_per_seq, max_len=args.max_len, device=args.device, dtype=args.dtype,
             seed=args.seed, val_frac=args.val_frac, log_every=args.log_every, eval_every=args.eval_every,
+            time_budget_s=None if args.time_budget_minutes is None else 60 * args.time_budget_minutes,
             progress=not args.no_progress,
         )
     except (FileNotFoundError, CheckpointError, ValueError) as e:

@@ -42,6 +42,7 @@ from dflash_tfm.engine.cache import ModelCache
 from dflash_tfm.models.decoder import CausalLM
 from dflash_tfm.spec.dflash import DFlashDrafter
 from dflash_tfm.spec.weaver import SPECULATOR_KIND, Weaver, WeaverCache, WeaverConfig, WeaverNorm
+from dflash_tfm.train.step_budget import StepBudget
 
 SCHEDULES = ("wsd", "cosine", "constant")
 WARMUP_FRAC, DECAY_FRAC = 0.04, 0.2  # WSD: 4 % linear warm-up, flat, linear decay to 0 over the last 20 %
@@ -305,7 +306,7 @@ def train_weaver(
     batch_size: int, lr: float = 2e-4, schedule: str = "wsd", tv_weight: float = 0.0,
     device: str | torch.device | None = None, dtype: torch.dtype = torch.float32, seed: int = 0,
     val_frac: float = 0.02, log_every: int = 20, eval_every: int = 0, positions_per_row: int = 4,
-    max_seq_len: int = 2048, progress: bool = True,
+    max_seq_len: int = 2048, time_budget_s: float | None = None, progress: bool = True,
 ) -> WeaverTrainResult:
     """Train a Weaver of the given shape for ``target`` + ``drafter`` (both frozen) and save it to ``out_path``.
 
@@ -315,7 +316,7 @@ def train_weaver(
     training, every ``eval_every`` steps (0: never in between) and at the end. AdamW (0.9, 0.95), weight decay
     0.01 on matrices only, gradient clipping at 1.0. Callers on CUDA should set ``DFLASH_TFM_COMPILE=0`` (``main``
     does): every row has a new length, and compiling the frozen models' fused helpers per shape costs more than it
-    saves.
+    saves. ``time_budget_s`` lowers ``steps`` after the first steps so the whole schedule fits (``StepBudget``).
     """
     if variant not in (1, 2):
         raise ValueError(f"variant must be 1 (swiglu, rotary) or 2 (gelu, pos_emb), got {variant}")
@@ -326,6 +327,7 @@ def train_weaver(
     device = torch.device(device) if device is not None else target.embed_tokens.device
     if device.type != target.embed_tokens.device.type:
         raise ValueError(f"Weaver must train on the target's device ({target.embed_tokens.device}), not {device}")
+    budget = StepBudget(steps, time_budget_s)
     rng = random.Random(seed)
     rows = read_rows(data_path, max_seq_len)
     rng.shuffle(rows)
@@ -348,9 +350,12 @@ def train_weaver(
     groups = [{"params": [p for p in weaver.parameters() if p.dim() >= 2], "weight_decay": 0.01},
               {"params": [p for p in weaver.parameters() if p.dim() < 2], "weight_decay": 0.0}]  # norms, biases
     optimizer = torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95))
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_multiplier(s, steps, schedule))
-    bar = tqdm(range(1, steps + 1), desc="train-weaver", unit="step", disable=not progress)
-    for step in bar:
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_multiplier(s, budget.steps, schedule))
+    bar = tqdm(total=steps, desc="train-weaver", unit="step", disable=not progress)
+    budget.begin()
+    step = 0
+    while step < budget.steps:
+        step += 1
         batch = sampler.batch(batch_size)
         attach_differentiable_tables(weaver, embed, lm_head)
         kl, tv = path_losses(path_log_probs(weaver, batch), batch)
@@ -360,13 +365,19 @@ def train_weaver(
         torch.nn.utils.clip_grad_norm_(weaver.parameters(), 1.0)
         optimizer.step()
         scheduler.step()
-        if step % log_every == 0 or step == steps:
+        bar.update()
+        if budget.after_step(step):
+            bar.total = budget.steps
+            bar.write(f"time budget: {budget.note()}")
+        last = step == budget.steps
+        if step % log_every == 0 or last:
             record = {"step": step, "loss": loss.item(), "kl": kl.item(), "tv": tv.item(),
                       "lr": optimizer.param_groups[0]["lr"]}
-            if (eval_every and step % eval_every == 0) or step == steps:
+            if (eval_every and step % eval_every == 0) or last:
                 record.update({f"val_{k}": v for k, v in evaluate(weaver, val_batches, embed, lm_head).items()})
             history.append(record)
             bar.set_postfix({k: f"{v:.3g}" for k, v in record.items() if k != "step"})
+    bar.close()
     val_after = {k.removeprefix("val_"): v for k, v in history[-1].items() if k.startswith("val_")}
 
     out_path = Path(out_path)
@@ -375,7 +386,7 @@ def train_weaver(
     tmp = out_path.with_name(out_path.name + ".tmp")
     torch.save(payload, tmp)
     tmp.replace(out_path)  # a crash mid-write never leaves a truncated checkpoint under the real name
-    summary = {"config": payload["config"], "variant": variant, "steps": steps, "batch_size": batch_size,
+    summary = {"config": payload["config"], "variant": variant, "steps": budget.steps, "steps_requested": steps, "batch_size": batch_size,
                "positions_per_row": positions_per_row, "lr": lr, "schedule": schedule, "tv_weight": tv_weight,
                "seed": seed, "train_rows": len(train_rows), "val_rows": len(val_rows), "history": history}
     out_path.with_name(out_path.name + ".json").write_text(json.dumps(summary, indent=2))
@@ -411,6 +422,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--val-frac", type=float, default=0.02)
     p.add_argument("--log-every", type=int, default=20)
     p.add_argument("--eval-every", type=int, default=0, help="validate every N steps (0: only first and last)")
+    p.add_argument("--time-budget-minutes", type=float, default=None,
+                   help="fit --steps to this wall-clock budget (measured over the first steps)")
     p.add_argument("--no-progress", action="store_true")
     return p
 
@@ -442,6 +455,7 @@ def main(argv: list[str] | None = None) -> int:
             steps=args.steps, batch_size=args.batch_size, lr=args.lr, schedule=args.schedule,
             tv_weight=args.tv_weight, device=device, seed=args.seed, val_frac=args.val_frac,
             log_every=args.log_every, eval_every=args.eval_every, positions_per_row=args.positions_per_row,
+            time_budget_s=None if args.time_budget_minutes is None else 60 * args.time_budget_minutes,
             max_seq_len=args.max_seq_len, progress=not args.no_progress,
         )
     except (FileNotFoundError, CheckpointError, ValueError) as e:

@@ -1,0 +1,121 @@
+#!/usr/bin/env bash
+# Train the SmolLM2-135M-Instruct bundle (DFlash drafter + Weaver) and measure its τ, on the device machine.
+# docs/TRAINING.md explains the pipeline; this script runs it in phases so each fits one device call, with the
+# work directory $WORK kept on the (warm) machine between calls and everything worth keeping copied to $OUT.
+#
+#   PHASES="stage"        copy .stage/smol/part_aa to /tmp/smol   (call 1; carry .stage/smol/part_aa)
+#   PHASES="gen dflash"   join the GGUF, generate data, train the drafter (call 2, right after; carry .whl,
+#                         .stage/smol/part_ab, .stage/prompts.jsonl, .stage/datasets)
+#   PHASES="weaver tau"   train Weaver, measure τ (call 3, right after; same carry minus the GGUF part)
+# Sizes come from the environment (defaults = the committed bundle's run); DEVICE=cpu runs it small here.
+# Only 8 files come back from a device call, so results collect in $WORK/out and are packed into
+# $OUT/results.tar.gz at exit, with the drafter's weights (15.4 MiB) beside it as $OUT/model.safetensors.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+FINAL_OUT=${OUT:-out}; mkdir -p "$FINAL_OUT"
+PHASES=${PHASES:-"gen dflash weaver tau"}
+WORK=${WORK:-/tmp/bundle_work}; mkdir -p "$WORK/data" "$WORK/bundle"
+OUT=$WORK/out; mkdir -p "$OUT"
+pack() {
+  tar czf "$FINAL_OUT/results.tar.gz" --exclude=model.safetensors -C "$OUT" .
+  [ -f "$OUT/bundle/dflash/model.safetensors" ] && cp "$OUT/bundle/dflash/model.safetensors" "$FINAL_OUT/"
+}
+trap pack EXIT
+GGUF=${GGUF:-/tmp/smol/SmolLM2-135M-Instruct.Q4_1.gguf}
+DEVICE=${DEVICE:-cuda}
+GEN_PROCS=${GEN_PROCS:-3}           # shards (2 greedy, 1 sampled), each a batched generator
+GEN_BATCH=${GEN_BATCH:-128}
+GEN_SECONDS=${GEN_SECONDS:-240}     # wall-clock cap for data generation; rows are flushed one by one
+GEN_LIMIT=${GEN_LIMIT:-6000}
+GEN_TOKENS=${GEN_TOKENS:-256}
+DFLASH_MINUTES=${DFLASH_MINUTES:-4.5}
+DFLASH_STEPS=${DFLASH_STEPS:-4000}
+WEAVER_MINUTES=${WEAVER_MINUTES:-3}
+WEAVER_STEPS=${WEAVER_STEPS:-20000}
+TAU_PROMPTS=${TAU_PROMPTS:-20}
+TAU_TOKENS=${TAU_TOKENS:-256}
+TAU_SECONDS=${TAU_SECONDS:-240}
+TAU_DATASETS=${TAU_DATASETS:-"mtbench humaneval gsm8k math500"}
+TAU_TEMPS=${TAU_TEMPS:-"0 1"}
+TAU_BUDGETS=${TAU_BUDGETS:-"64 32 16"}
+export PYTHONUNBUFFERED=1 TQDM_MININTERVAL=${TQDM_MININTERVAL:-15}
+# Dozens of short-lived processes share 16 cores: compiling the fused helpers in each would cost more than it
+# saves (τ does not depend on it; tok/s from these contended runs is not a speed measurement anyway).
+export DFLASH_TFM_COMPILE=0
+if [ "$DEVICE" = cuda ] && ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site:src:.
+else
+  export PYTHONPATH=src:.
+fi
+PY=${PY:-python3}
+t0=$SECONDS
+say() { echo "[$((SECONDS - t0)) s] $*" | tee -a "$OUT/train_bundle.txt"; }
+
+if [[ $PHASES == *stage* ]]; then
+  mkdir -p /tmp/smol && cp .stage/smol/part_aa /tmp/smol/ && say "staged part_aa"
+fi
+
+if [[ $PHASES == *gen* ]]; then
+  if [ ! -f "$GGUF" ]; then
+    cat /tmp/smol/part_aa .stage/smol/part_ab > "$GGUF.tmp" && mv "$GGUF.tmp" "$GGUF" || { say "cannot join the GGUF"; exit 1; }
+  fi
+  sha256sum "$GGUF" | tee -a "$OUT/train_bundle.txt"
+  $PY -c "from dflash_tfm.loading.gguf_file import load_gguf_tokenizer as t; t('$GGUF')"  # convert once, cached
+  say "gen: $GEN_PROCS shards, $GEN_BATCH sequences each, at most ${GEN_SECONDS} s"
+  for i in $(seq 0 $((GEN_PROCS - 1))); do
+    temp=0.0; [ "$i" -ge $((GEN_PROCS * 2 / 3)) ] && temp=1.0  # a third of the rows sampled at T = 1
+    timeout "$GEN_SECONDS" $PY -m dflash_tfm.train.data --model-path "$GGUF" --prompts-file .stage/prompts.jsonl \
+      --out "$WORK/data/d$i.jsonl" --limit "$GEN_LIMIT" --num-shards "$GEN_PROCS" --shard-index "$i" \
+      --batch-size "$GEN_BATCH" --max-new-tokens "$GEN_TOKENS" --temperature "$temp" --seed "$i" \
+      --device "$DEVICE" --max-model-len 1536 > "$OUT/gen_$i.log" 2>&1 &
+  done
+  wait
+  $PY -c "import sys; from pathlib import Path; from dflash_tfm.train.data import existing_ids
+print(sum(len(existing_ids(p)) for p in sorted(Path(sys.argv[1]).glob('d*.jsonl'))), 'rows')" "$WORK/data" \
+    | tee -a "$OUT/train_bundle.txt"  # also drops a last row cut off by the timeout
+  mkdir -p "$OUT/data" && cp "$WORK"/data/d*.jsonl "$OUT/data/"
+  say "gen done"
+fi
+
+if [[ $PHASES == *dflash* ]]; then
+  $PY -m dflash_tfm.train.dflash_trainer --model-path "$GGUF" --data "$WORK"/data/d*.jsonl --out "$WORK/bundle/dflash" \
+    --num-layers 2 --target-layer-ids 1 14 27 --steps "$DFLASH_STEPS" --batch-size 16 --anchors-per-seq 64 \
+    --max-len 768 --lr 6e-4 --time-budget-minutes "$DFLASH_MINUTES" --device "$DEVICE" 2>&1 | tee "$OUT/train_dflash.log"
+  mkdir -p "$OUT/bundle" && cp -r "$WORK/bundle/dflash" "$OUT/bundle/"
+  say "dflash done"
+fi
+
+if [[ $PHASES == *weaver* ]]; then
+  [ -d "$WORK/data" ] && ls "$WORK"/data/d*.jsonl >/dev/null 2>&1 || cp .stage/data/d*.jsonl "$WORK/data/"
+  [ -f "$WORK/bundle/dflash/config.json" ] || cp -r .stage/bundle/dflash "$WORK/bundle/"
+  [ -f "$GGUF" ] || { say "no GGUF at $GGUF (the machine went cold: stage it again)"; exit 1; }
+  $PY -m dflash_tfm.train.weaver_trainer --model-path "$GGUF" --draft-model-path "$WORK/bundle/dflash" \
+    --data "$WORK"/data/d*.jsonl --out "$WORK/bundle/weaver.pth" --steps "$WEAVER_STEPS" --batch-size 32 \
+    --positions-per-row 4 --lr 1e-3 --schedule wsd --d-rank 384 --num-heads 6 --mlp-dim 1024 --pool-size 512 \
+    --eval-every 500 --time-budget-minutes "$WEAVER_MINUTES" --device "$DEVICE" 2>&1 | tee "$OUT/train_weaver.log"
+  mkdir -p "$OUT/bundle" && cp "$WORK/bundle/weaver.pth" "$WORK/bundle/weaver.pth.json" "$OUT/bundle/"
+  say "weaver done"
+fi
+
+if [[ $PHASES == *tau* ]]; then
+  say "tau: datasets ($TAU_DATASETS) x temperatures ($TAU_TEMPS) x budgets ($TAU_BUDGETS), one process each, ${TAU_SECONDS} s"
+  mkdir -p "$OUT/tau"
+  for ds in $TAU_DATASETS; do
+    for temp in $TAU_TEMPS; do
+      for budget in $TAU_BUDGETS; do
+        groups=("DDTREE" "DFLASH_TFM"); [ "$budget" = 64 ] && groups=("AR DFLASH" "DDTREE" "DFLASH_TFM")
+        for algos in "${groups[@]}"; do
+          name=${ds}_T${temp}_b${budget}_${algos// /_}
+          timeout "$TAU_SECONDS" $PY -m benchmarks.measure_acceptance --target-path "$GGUF" --bundle "$WORK/bundle" \
+            --datasets "$ds" --dataset-dir .stage/datasets --prompts-per-dataset "$TAU_PROMPTS" \
+            --max-new-tokens "$TAU_TOKENS" --temperatures "$temp" --budgets "$budget" --algorithms $algos \
+            --device "$DEVICE" --out "$OUT/tau/$name.jsonl" > "$OUT/tau/$name.log" 2>&1 &
+        done
+      done
+    done
+  done
+  wait
+  cat "$OUT"/tau/*.jsonl 2>/dev/null | wc -l | xargs echo "tau cells:" | tee -a "$OUT/train_bundle.txt"
+  say "tau done"
+fi

@@ -1,0 +1,121 @@
+"""Many sequences at once on one target: continuous batching over the rows of one static cache.
+
+Why: decoding one sequence leaves a GPU almost idle (and separate processes do not help: without MPS the GPU
+time-slices between them), while generating training data needs throughput, not latency. Here each prompt is
+prefilled alone into its own cache row, so no row ever holds padding (a Gated-DeltaNet state would absorb pad
+tokens); then every step decodes one token for all rows, each at its own position (attention masks keys per row,
+see `causal_cache_attention`); a row whose sequence ends takes the next prompt at once.
+
+The steps run eagerly: a batch of rows already amortises the kernel launches a CUDA graph would save at
+batch 1. Sampling uses one generator for the whole batch, so a run reproduces given the same prompts, slot
+count and seed, but a row's tokens depend on which rows share its steps (use `Engine` for per-request seeds).
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+import torch
+
+from dflash_tfm.engine.cache import ModelCache
+from dflash_tfm.engine.sampler import make_generator, sample
+from dflash_tfm.models.decoder import CausalLM
+from dflash_tfm.sampling_params import SamplingParams
+
+Key = TypeVar("Key")
+
+
+@dataclass
+class _Row(Generic[Key]):
+    key: Key
+    length: int  # tokens in the cache row (prompt + generated, the last sampled token not yet fed)
+    budget: int  # new tokens this row may still produce, context end included
+    tokens: list[int] = field(default_factory=list)
+
+
+class BatchGenerator:
+    """Greedy or sampled generation of many prompts with ``slots`` rows decoded together.
+
+    ``stop_ids`` end a sequence (the stop token is kept, as `Engine.generate` keeps it); a sequence also ends
+    after ``max_new_tokens`` or at the end of the ``max_len``-token cache rows.
+    """
+
+    def __init__(self, model: CausalLM, slots: int, max_len: int, stop_ids: Iterable[int], *,
+                 prefill_chunk: int = 2048) -> None:
+        if slots < 1:
+            raise ValueError(f"slots must be >= 1, got {slots}")
+        self.model = model
+        self.device = model.embed_tokens.device
+        self.slots = slots
+        self.max_len = max_len
+        self.stop_ids = set(stop_ids)
+        self.prefill_chunk = prefill_chunk
+        self.cache = ModelCache(model.config, max_len, slots, model.embed_tokens.dtype, self.device)
+
+    def _row_cache(self, slot: int) -> ModelCache:
+        """A batch-1 view of one slot's cache rows: writes through it land in the shared buffers."""
+        view = object.__new__(ModelCache)
+        view.max_len = self.max_len
+        view.attention = {i: (k[slot : slot + 1], v[slot : slot + 1]) for i, (k, v) in self.cache.attention.items()}
+        view.gdn = {i: (s[slot : slot + 1], w[slot : slot + 1]) for i, (s, w) in self.cache.gdn.items()}
+        return view
+
+    def _prefill(self, slot: int, prompt_ids: list[int]) -> torch.Tensor:
+        """Fill slot's rows with the prompt from a zero recurrent state; returns the last position's logits [V]."""
+        cache = self._row_cache(slot)
+        cache.reset()
+        ids = torch.tensor(prompt_ids, dtype=torch.long, device=self.device).view(1, -1)
+        hidden = None
+        for s in range(0, ids.shape[1], self.prefill_chunk):
+            e = min(ids.shape[1], s + self.prefill_chunk)
+            positions = torch.arange(s, e, device=self.device).view(1, -1)
+            hidden, _ = self.model(ids[:, s:e], positions, cache, kv_len=e)
+        return self.model.logits(hidden[0, -1])
+
+    @torch.inference_mode()
+    def generate(
+        self, prompts: Iterable[tuple[Key, list[int]]], max_new_tokens: int, params: SamplingParams,
+    ) -> Iterator[tuple[Key, list[int]]]:
+        """Yield ``(key, response_ids)`` for every prompt, in the order they finish."""
+        params.validate()
+        generator = make_generator(params, self.device)
+        pending = iter(prompts)
+        rows: list[_Row[Key] | None] = [None] * self.slots
+        next_tokens = torch.zeros(self.slots, dtype=torch.long, device=self.device)
+
+        def admit(slot: int) -> None:
+            """Prefill the next prompt (if any) into ``slot`` and take its first token from the prefill logits."""
+            rows[slot] = None
+            for key, ids in pending:
+                if not ids or len(ids) >= self.max_len:
+                    raise ValueError(f"prompt {key!r} has {len(ids)} tokens; the cache rows hold {self.max_len}")
+                first = sample(self._prefill(slot, ids).view(1, -1), params, generator)
+                next_tokens[slot] = first[0]
+                rows[slot] = _Row(key, len(ids), min(max_new_tokens, self.max_len - len(ids)), [int(first[0])])
+                return
+
+        def done(row: _Row[Key]) -> bool:
+            return row.tokens[-1] in self.stop_ids or len(row.tokens) >= row.budget
+
+        for slot in range(self.slots):
+            admit(slot)
+        while True:
+            for slot in range(self.slots):
+                while (row := rows[slot]) is not None and done(row):
+                    yield row.key, row.tokens
+                    admit(slot)
+            active = [slot for slot, row in enumerate(rows) if row is not None]
+            if not active:
+                return
+            # Free rows decode too (a static batch; their output is ignored and a prefill resets them).
+            positions = torch.zeros(self.slots, 1, dtype=torch.long)
+            for slot in active:
+                positions[slot, 0] = rows[slot].length
+                rows[slot].length += 1
+            hidden, _ = self.model(next_tokens.view(-1, 1), positions.to(self.device), self.cache,
+                                   kv_len=int(positions.max()) + 1)
+            next_tokens = sample(self.model.logits(hidden[:, -1]), params, generator)
+            tokens = next_tokens.tolist()  # the one host read per step
+            for slot in active:
+                rows[slot].tokens.append(tokens[slot])

@@ -1,0 +1,59 @@
+"""StepBudget: the step count shrinks once, after calibration, to what the measured pace allows."""
+import pytest
+
+from dflash_tfm.train import step_budget
+from dflash_tfm.train.step_budget import StepBudget
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
+    fake = FakeClock()
+    monkeypatch.setattr(step_budget.time, "monotonic", fake)
+    return fake
+
+
+def run(budget: StepBudget, clock: FakeClock, seconds_per_step: float, first_steps: float | None = None) -> int:
+    budget.begin()
+    done = 0
+    while done < budget.steps:
+        slow = first_steps is not None and done < 3
+        clock.now += first_steps if slow else seconds_per_step
+        done += 1
+        budget.after_step(done)
+    return done
+
+
+def test_fits_the_budget(clock: FakeClock) -> None:
+    clock.now = 0.0
+    budget = StepBudget(1000, seconds=100.0, skip=0, calibrate=20, reserve=0.1)
+    clock.now = 10.0  # setup (first validation) before the steps
+    assert run(budget, clock, 0.5) == 20 + int((90.0 - 10.0 - 10.0) / 0.5)
+    assert "of 1000 requested" in budget.note()
+
+
+def test_slow_first_steps_do_not_set_the_pace(clock: FakeClock) -> None:
+    budget = StepBudget(1000, seconds=100.0, skip=5, calibrate=25, reserve=0.0)
+    # 3 warm-up steps of 5 s, then 0.1 s per step: 15 + 2.2 s spent at step 25, pace 0.1 s
+    assert abs(run(budget, clock, 0.1, first_steps=5.0) - (25 + (100.0 - 17.2) / 0.1)) <= 1  # not 25 + 82.8 / 0.7
+
+
+def test_never_raises_the_request_or_drops_below_done(clock: FakeClock) -> None:
+    assert run(StepBudget(50, seconds=1e6, calibrate=20), clock, 0.1) == 50
+    assert run(StepBudget(50, seconds=1.0, calibrate=20), clock, 1.0) == 20  # already over budget: stop now
+    assert run(StepBudget(10, seconds=1.0, calibrate=20), clock, 1.0) == 10  # calibrates at the last step
+    assert run(StepBudget(30, seconds=None), clock, 100.0) == 30
+
+
+def test_rejects_bad_values() -> None:
+    with pytest.raises(ValueError, match="steps"):
+        StepBudget(0)
+    with pytest.raises(ValueError, match="budget"):
+        StepBudget(10, seconds=0)
