@@ -57,3 +57,17 @@ def test_rejects_bad_values() -> None:
         StepBudget(0)
     with pytest.raises(ValueError, match="budget"):
         StepBudget(10, seconds=0)
+
+
+def test_refits_when_the_pace_changes(clock: FakeClock) -> None:
+    """Validations make later steps slower on average: the count is refitted at doubling step counts."""
+    budget = StepBudget(10_000, seconds=100.0, skip=0, calibrate=25, reserve=0.05)
+    budget.begin()
+    done = 0
+    while done < budget.steps:
+        clock.now += 0.1 if done < 25 else 0.3
+        done += 1
+        budget.after_step(done)
+        if done == 25:
+            assert abs(budget.steps - 950) <= 1  # 0.1 s per step so far
+    assert 90.0 <= clock.now <= 100.0 and done < 950  # the average pace lags; the reserve absorbs it

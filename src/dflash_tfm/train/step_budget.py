@@ -1,9 +1,10 @@
 """A training run's step count, fitted to a wall-clock budget.
 
 Why: GPU time comes in fixed slices (a device call, a job limit). A run stopped by a timer ends mid-schedule
-at a high learning rate; instead the run measures its own pace over its first steps and, once, lowers its
-step count so the whole schedule (warm-up, decay to the end) fits the budget. Learning-rate schedules read
-``budget.steps`` at every step, so they stretch to whatever count is chosen.
+at a high learning rate; instead the run measures its own pace and sets its step count so the whole schedule
+(warm-up, decay to the end) fits the budget: first after a few steps, then again at doubling step counts, as
+the pace (validations included) becomes known better. Learning-rate schedules read ``budget.steps`` at every
+step, so they stretch to whatever count is chosen.
 """
 from __future__ import annotations
 
@@ -13,13 +14,14 @@ import time
 class StepBudget:
     """``steps`` optimizer steps, or fewer when ``seconds`` would run out first.
 
-    The budget is measured from construction (so setup such as a first validation counts), the pace over steps
-    ``skip`` .. ``calibrate`` (the first steps pay for kernel selection and allocator warm-up and would make
-    the pace look slow); ``reserve`` of the budget is kept for later validations and saving.
+    The budget is measured from construction (so setup such as a first validation counts); the pace from step
+    ``skip`` on (the first steps pay for kernel selection and allocator warm-up and would make it look slow),
+    refitted at steps ``calibrate``, 2·``calibrate``, 4·``calibrate``, …; ``reserve`` of the budget is kept for
+    the last validation and saving. The count never exceeds the request nor drops below the steps done.
     """
 
     def __init__(
-        self, steps: int, seconds: float | None = None, *, skip: int = 5, calibrate: int = 25, reserve: float = 0.15,
+        self, steps: int, seconds: float | None = None, *, skip: int = 5, calibrate: int = 25, reserve: float = 0.05,
     ) -> None:
         if steps < 1:
             raise ValueError(f"steps must be >= 1, got {steps}")
@@ -45,7 +47,8 @@ class StepBudget:
             return False
         if done == self.skip:
             self._pace_start = time.monotonic()
-        if done != self.calibrate or self._pace_start is None:
+        multiple = done // self.calibrate
+        if done % self.calibrate or multiple & (multiple - 1) or self._pace_start is None:
             return False
         now = time.monotonic()
         pace = (now - self._pace_start) / (done - self.skip)
