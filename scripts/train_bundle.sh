@@ -8,6 +8,8 @@
 #                         .stage/smol/part_ab, .stage/prompts.jsonl, .stage/datasets)
 #   PHASES="weaver tau"   train Weaver, measure τ (call 3, right after; same carry minus the GGUF part)
 # Sizes come from the environment (defaults = the committed bundle's run); DEVICE=cpu runs it small here.
+# DFLASH_INIT / WEAVER_INIT continue training from a saved drafter directory / Weaver file (e.g. the
+# committed bundle under src/dflash_tfm/assets/smollm2_bundle), so training can span several calls.
 # Only 8 files come back from a device call, so results collect in $WORK/out and are packed into
 # $OUT/results.tar.gz at exit, with the drafter's weights (15.4 MiB) beside it as $OUT/model.safetensors.
 set -uo pipefail
@@ -81,7 +83,8 @@ fi
 if [[ $PHASES == *dflash* ]]; then
   $PY -m dflash_tfm.train.dflash_trainer --model-path "$GGUF" --data "$WORK"/data/d*.jsonl --out "$WORK/bundle/dflash" \
     --num-layers 2 --target-layer-ids 1 14 27 --steps "$DFLASH_STEPS" --batch-size 16 --anchors-per-seq 64 \
-    --max-len 768 --lr 6e-4 --time-budget-minutes "$DFLASH_MINUTES" --device "$DEVICE" 2>&1 | tee "$OUT/train_dflash.log"
+    --max-len 768 --lr 6e-4 --time-budget-minutes "$DFLASH_MINUTES" --device "$DEVICE" \
+    ${DFLASH_INIT:+--init-from "$DFLASH_INIT"} 2>&1 | tee "$OUT/train_dflash.log"
   mkdir -p "$OUT/bundle" && cp -r "$WORK/bundle/dflash" "$OUT/bundle/"
   say "dflash done"
 fi
@@ -93,7 +96,8 @@ if [[ $PHASES == *weaver* ]]; then
   $PY -m dflash_tfm.train.weaver_trainer --model-path "$GGUF" --draft-model-path "$WORK/bundle/dflash" \
     --data "$WORK"/data/d*.jsonl --out "$WORK/bundle/weaver.pth" --steps "$WEAVER_STEPS" --batch-size 32 \
     --positions-per-row 4 --lr 1e-3 --schedule wsd --d-rank 384 --num-heads 6 --mlp-dim 1024 --pool-size 512 \
-    --eval-every 500 --time-budget-minutes "$WEAVER_MINUTES" --device "$DEVICE" 2>&1 | tee "$OUT/train_weaver.log"
+    --eval-every 500 --time-budget-minutes "$WEAVER_MINUTES" --device "$DEVICE" \
+    ${WEAVER_INIT:+--init-from "$WEAVER_INIT"} 2>&1 | tee "$OUT/train_weaver.log"
   mkdir -p "$OUT/bundle" && cp "$WORK/bundle/weaver.pth" "$WORK/bundle/weaver.pth.json" "$OUT/bundle/"
   say "weaver done"
 fi

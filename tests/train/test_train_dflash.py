@@ -15,6 +15,7 @@ import torch
 
 from dflash_tfm.config import ModelConfig
 from dflash_tfm.engine.cache import ModelCache
+from dflash_tfm.loading.errors import CheckpointError
 from dflash_tfm.loading.loader import build_model
 from dflash_tfm.models.random_init import init_random_
 from dflash_tfm.spec.dflash import attention_mask, load_dflash_drafter
@@ -163,6 +164,20 @@ def test_saved_checkpoint_layout_and_shared_heads(target, data_file, tmp_path):
     loaded = load_dflash_drafter(tmp_path / "d", target, target.config, "cpu", torch.float32, max_len=MAX_LEN)
     assert loaded.fc.shape == (64, 2 * 64)
     assert torch.equal(target.embed_tokens, embed_before) and not target.embed_tokens.requires_grad
+
+
+def test_training_continues_from_a_saved_drafter(target, data_file, tmp_path):
+    """--init-from starts from the saved drafter (step-0 validation equals the saved step's) and keeps its
+    shape, whatever the shape arguments say."""
+    kwargs = dict(batch_size=8, anchors_per_seq=8, lr=3e-3, max_len=MAX_LEN, val_frac=0.2, progress=False)
+    first = train_dflash(target, data_file, tmp_path / "a", num_layers=1, block_size=4, steps=60, **kwargs)
+    more = train_dflash(target, data_file, tmp_path / "b", num_layers=3, steps=60, init_from=tmp_path / "a", **kwargs)
+    saved = next(v for v in first.validations if v.step == first.saved_step)
+    assert more.validations[0].loss == pytest.approx(saved.loss, rel=1e-5)
+    assert len(more.drafter.layers) == 1 and more.drafter.config.block_size == 4
+    assert more.validations[-1].loss < first.validations[0].loss
+    with pytest.raises(CheckpointError):
+        train_dflash(target, data_file, tmp_path / "c", num_layers=1, steps=1, init_from=tmp_path / "nope", **kwargs)
 
 
 def test_default_mask_token_skips_chat_and_special_ids():

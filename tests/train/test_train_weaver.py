@@ -123,6 +123,21 @@ def test_training_lowers_kl_and_raises_top1(setups, tmp_path: Path) -> None:
     assert train_kl[-1] < 0.8 * train_kl[0]
 
 
+def test_training_continues_from_a_saved_weaver(setups, tmp_path: Path) -> None:
+    """--init-from starts from the saved Weaver (its held-out KL before training is the saved one's after), and
+    a checkpoint of another pool size is refused."""
+    s = setups("llama")
+    kwargs = dict(batch_size=8, lr=3e-3, seed=0, val_frac=0.2, log_every=10, progress=False)
+    first = train_weaver(s.model, s.drafter, s.data, tmp_path / "a.pth", **SMALL, steps=20, **kwargs)
+    more = train_weaver(s.model, s.drafter, s.data, tmp_path / "b.pth", **SMALL, steps=20, init_from=tmp_path / "a.pth",
+                        **kwargs)
+    assert more.val_before["kl"] == pytest.approx(first.val_after["kl"], rel=1e-4)
+    assert more.val_after["kl"] < first.val_before["kl"]
+    with pytest.raises(ValueError, match="candidate pool"):
+        train_weaver(s.model, s.drafter, s.data, tmp_path / "c.pth", **dict(SMALL, pool_size=SMALL["pool_size"] // 2),
+                     steps=1, init_from=tmp_path / "a.pth", **kwargs)
+
+
 def sequential_log_probs(weaver: Weaver, batch) -> torch.Tensor:
     """Node by node, as the tree builder expands: each depth's own `step` call, then its pool's log-softmax."""
     B, K = batch.tokens.shape

@@ -32,7 +32,7 @@ from tqdm.auto import tqdm
 from dflash_tfm.engine.cache import ModelCache
 from dflash_tfm.loading.loader import load_target, parse_dtype
 from dflash_tfm.models.decoder import CausalLM
-from dflash_tfm.spec.dflash import DFlashDrafter
+from dflash_tfm.spec.dflash import DFlashDrafter, load_dflash_drafter
 from dflash_tfm.spec.dflash_config import drafter_config_dict
 from dflash_tfm.train.dflash_checkpoint import build_trainable_drafter, default_mask_token_id, save_drafter
 from dflash_tfm.train.dflash_forward import block_forward
@@ -181,6 +181,19 @@ class TrainResult:
     saved_step: int | None = None  # the step whose drafter is in out_dir (best validation accept_len)
 
 
+def continue_drafter(path: str | Path, target: CausalLM, dtype: torch.dtype) -> tuple[dict, DFlashDrafter]:
+    """A trainable drafter holding the weights of the drafter saved at `path`, read by the same strict loader
+    as inference (`load_dflash_drafter`), and the raw config to save it with."""
+    saved = load_dflash_drafter(path, target, target.config, target.embed_tokens.device, dtype)
+    raw = json.loads((Path(path) / "config.json").read_text(encoding="utf-8"))
+    drafter = build_trainable_drafter(raw, target, seed=0)
+    params = dict(drafter.named_parameters())
+    with torch.no_grad():
+        for name, param in saved.named_parameters():
+            params[name].copy_(param)
+    return raw, drafter
+
+
 def _lr_factor(step: int, steps: int, warmup: int) -> float:
     """Linear warm-up to 1 over `warmup` steps, then cosine decay to 0 at `steps`."""
     if step < warmup:
@@ -216,6 +229,7 @@ def train_dflash(
     log_every: int = 10,
     eval_every: int | None = None,
     time_budget_s: float | None = None,
+    init_from: str | Path | None = None,
     tokenizer: object | None = None,
     progress: bool = True,
 ) -> TrainResult:
@@ -227,7 +241,9 @@ def train_dflash(
     held-out rows (`val_frac` > 0) the drafter of the best validation accept_len is saved (step 0 included),
     otherwise the last one; `train_log.jsonl` holds every logged step and validation. `eval_every` None:
     10 validations per run. `time_budget_s` lowers `steps` after the first steps so the whole schedule fits
-    (`StepBudget`). `result.drafter` is the last state, `result.saved_step` says which was saved.
+    (`StepBudget`). `init_from`: continue from a saved drafter directory (its config wins over the shape
+    arguments; the optimizer starts fresh, warm-up included), so a run can span several time-limited jobs.
+    `result.drafter` is the last state, `result.saved_step` says which was saved.
     """
     budget = StepBudget(steps, time_budget_s)
     rows = load_rows(data_path, max_len)  # before the target loads: a bad data path fails fast
@@ -248,12 +264,16 @@ def train_dflash(
     tcfg = model.config
     if mask_token_id is None:
         mask_token_id = default_mask_token_id(tokenizer, tcfg.vocab_size)
-    raw = drafter_config_dict(
-        tcfg, num_layers=num_layers, block_size=block_size, mask_token_id=mask_token_id,
-        target_layer_ids=target_layer_ids, layer_types=layer_types, sliding_window=sliding_window,
-        causal_sliding_in_block=causal_sliding_in_block, dtype=dtype,
-    )
-    drafter = build_trainable_drafter(raw, model, seed)
+    if init_from is None:
+        raw = drafter_config_dict(
+            tcfg, num_layers=num_layers, block_size=block_size, mask_token_id=mask_token_id,
+            target_layer_ids=target_layer_ids, layer_types=layer_types, sliding_window=sliding_window,
+            causal_sliding_in_block=causal_sliding_in_block, dtype=dtype,
+        )
+        drafter = build_trainable_drafter(raw, model, seed)
+    else:
+        raw, drafter = continue_drafter(init_from, model, dtype)
+        block_size = drafter.config.block_size
     drafter.allocate(max_len + block_size)  # RoPE table for every block position
     features = TargetFeatures(model, drafter.config.target_layer_ids, max_len)
 
@@ -356,6 +376,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-every", type=int, default=None)
     p.add_argument("--time-budget-minutes", type=float, default=None,
                    help="fit --steps to this wall-clock budget (measured over the first steps)")
+    p.add_argument("--init-from", type=Path, default=None,
+                   help="continue training this saved drafter directory (its config wins over the shape flags)")
     p.add_argument("--no-progress", action="store_true")
     return p
 
@@ -378,7 +400,7 @@ def main(argv: list[str] | None = None) -> int:
             anchors_per_seq=args.anchors_per_seq, max_len=args.max_len, device=args.device, dtype=args.dtype,
             seed=args.seed, val_frac=args.val_frac, log_every=args.log_every, eval_every=args.eval_every,
             time_budget_s=None if args.time_budget_minutes is None else 60 * args.time_budget_minutes,
-            progress=not args.no_progress,
+            init_from=args.init_from, progress=not args.no_progress,
         )
     except (FileNotFoundError, CheckpointError, ValueError) as e:
         print(f"dflash-tfm train-dflash: error: {e}", file=sys.stderr)

@@ -41,7 +41,7 @@ from tqdm.auto import tqdm
 from dflash_tfm.engine.cache import ModelCache
 from dflash_tfm.models.decoder import CausalLM
 from dflash_tfm.spec.dflash import DFlashDrafter
-from dflash_tfm.spec.weaver import SPECULATOR_KIND, Weaver, WeaverCache, WeaverConfig, WeaverNorm
+from dflash_tfm.spec.weaver import SPECULATOR_KIND, Weaver, WeaverCache, WeaverConfig, WeaverNorm, load_weaver
 from dflash_tfm.train.step_budget import StepBudget
 
 SCHEDULES = ("wsd", "cosine", "constant")
@@ -306,7 +306,8 @@ def train_weaver(
     batch_size: int, lr: float = 2e-4, schedule: str = "wsd", tv_weight: float = 0.0,
     device: str | torch.device | None = None, dtype: torch.dtype = torch.float32, seed: int = 0,
     val_frac: float = 0.02, log_every: int = 20, eval_every: int = 0, positions_per_row: int = 4,
-    max_seq_len: int = 2048, time_budget_s: float | None = None, progress: bool = True,
+    max_seq_len: int = 2048, time_budget_s: float | None = None, init_from: str | Path | None = None,
+    progress: bool = True,
 ) -> WeaverTrainResult:
     """Train a Weaver of the given shape for ``target`` + ``drafter`` (both frozen) and save it to ``out_path``.
 
@@ -316,7 +317,9 @@ def train_weaver(
     training, every ``eval_every`` steps (0: never in between) and at the end. AdamW (0.9, 0.95), weight decay
     0.01 on matrices only, gradient clipping at 1.0. Callers on CUDA should set ``DFLASH_TFM_COMPILE=0`` (``main``
     does): every row has a new length, and compiling the frozen models' fused helpers per shape costs more than it
-    saves. ``time_budget_s`` lowers ``steps`` after the first steps so the whole schedule fits (``StepBudget``).
+    saves. ``time_budget_s`` fits ``steps`` to a wall-clock budget (``StepBudget``). ``init_from`` continues a
+    saved Weaver (its shape wins over the shape arguments; the optimizer starts fresh), so a run can span
+    several time-limited jobs.
     """
     if variant not in (1, 2):
         raise ValueError(f"variant must be 1 (swiglu, rotary) or 2 (gelu, pos_emb), got {variant}")
@@ -336,12 +339,19 @@ def train_weaver(
     teacher = FrozenTeacher(target, drafter, pool_size, max(len(r.ids) for r in rows))
     embed = target.embed_tokens.detach().to(device, dtype)
     lm_head = target.lm_head_weight.detach().to(device, dtype)
-    cfg = WeaverConfig.from_dict(dict(  # the same checks a loaded checkpoint gets
-        d_model=target.config.hidden_size, d_embed=embed.shape[1], d_rank=d_rank, num_layers=num_layers,
-        num_heads=num_heads, mlp_dim=mlp_dim, K=drafter.config.block_size - 1, candidate_pool_size=teacher.pool,
-        activation="swiglu" if variant == 1 else "gelu",
-    ))
-    weaver = new_weaver(cfg, device, dtype, seed)
+    if init_from is None:
+        cfg = WeaverConfig.from_dict(dict(  # the same checks a loaded checkpoint gets
+            d_model=target.config.hidden_size, d_embed=embed.shape[1], d_rank=d_rank, num_layers=num_layers,
+            num_heads=num_heads, mlp_dim=mlp_dim, K=drafter.config.block_size - 1, candidate_pool_size=teacher.pool,
+            activation="swiglu" if variant == 1 else "gelu",
+        ))
+        weaver = new_weaver(cfg, device, dtype, seed)
+    else:  # the strict inference loader: a checkpoint that does not fit target + drafter fails here
+        weaver = load_weaver(init_from, target, target.config, drafter.config.block_size, device, dtype)
+        weaver.requires_grad_(True).train()
+        cfg, variant = weaver.config, 1 if weaver.config.rotary else 2
+        if cfg.candidate_pool_size != teacher.pool:
+            raise ValueError(f"{init_from} has a candidate pool of {cfg.candidate_pool_size}, this run {teacher.pool}")
     val_batches = held_out_batches(teacher, val_rows, positions_per_row, rng)
     val_before = evaluate(weaver, val_batches, embed, lm_head)
     history: list[dict[str, float]] = [{"step": 0, **{f"val_{k}": v for k, v in val_before.items()}}]
@@ -424,6 +434,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-every", type=int, default=0, help="validate every N steps (0: only first and last)")
     p.add_argument("--time-budget-minutes", type=float, default=None,
                    help="fit --steps to this wall-clock budget (measured over the first steps)")
+    p.add_argument("--init-from", type=Path, default=None,
+                   help="continue training this saved Weaver (.pth; its shape wins over the shape flags)")
     p.add_argument("--no-progress", action="store_true")
     return p
 
@@ -456,7 +468,7 @@ def main(argv: list[str] | None = None) -> int:
             tv_weight=args.tv_weight, device=device, seed=args.seed, val_frac=args.val_frac,
             log_every=args.log_every, eval_every=args.eval_every, positions_per_row=args.positions_per_row,
             time_budget_s=None if args.time_budget_minutes is None else 60 * args.time_budget_minutes,
-            max_seq_len=args.max_seq_len, progress=not args.no_progress,
+            init_from=args.init_from, max_seq_len=args.max_seq_len, progress=not args.no_progress,
         )
     except (FileNotFoundError, CheckpointError, ValueError) as e:
         print(f"dflash-tfm train-weaver: error: {e}", file=sys.stderr)
