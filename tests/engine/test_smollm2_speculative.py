@@ -47,7 +47,7 @@ def test_committed_bundle_is_lossless_and_accepts(smollm2: Engine, algo: str) ->
     """The trained bundle in the package (assets/smollm2_bundle), loaded by the same loaders as a user's
     checkpoints: greedy output still equals plain greedy, and more than one token per target forward is
     accepted on a held-out-style math prompt (random drafters and Weavers accept about 1)."""
-    from dflash_tfm.demo import DEFAULT_BUNDLE
+    from dflash_tfm.loading.default_model import DEFAULT_BUNDLE
 
     params = SamplingParams(max_new_tokens=48, ignore_eos=True)
     plain = smollm2.generate(GSM8K_STYLE, params)

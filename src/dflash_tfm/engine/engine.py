@@ -19,6 +19,7 @@ from dflash_tfm.engine.model_runner import ModelRunner
 from dflash_tfm.engine.result import GenerationResult, GenerationStats
 from dflash_tfm.engine.decoder_factory import build_decoder, normalize_algorithm
 from dflash_tfm.engine.sampler import make_generator
+from dflash_tfm.loading.default_model import DEFAULT_BUNDLE
 from dflash_tfm.loading.loader import load_target, parse_dtype
 from dflash_tfm.sampling_params import SamplingParams
 
@@ -57,8 +58,12 @@ class Engine:
         """dtype "auto" = bfloat16 on CUDA and float32 on the CPU (CPU bf16 matmuls are slow and inexact).
         max_model_len defaults to min(the model's context, 32768) and sizes the static caches.
         block_size None = the drafter's own block size (a different value is an error: drafters are trained
-        for one block size)."""
+        for one block size). With the embedded default target (model_path None), a speculative algorithm without
+        draft_model_path / weaver_path uses the bundle trained for it (loading.default_model.DEFAULT_BUNDLE)."""
         self.speculative_algorithm = normalize_algorithm(speculative_algorithm)
+        if model_path is None and self.speculative_algorithm is not None:
+            draft_model_path = draft_model_path or DEFAULT_BUNDLE / "dflash"
+            weaver_path = weaver_path or DEFAULT_BUNDLE / "weaver.pth"
         if gdn_verify_kernel not in ("chunk", "recurrent"):
             raise ValueError(f"gdn_verify_kernel must be 'chunk' or 'recurrent', got {gdn_verify_kernel!r}")
         self.device = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")

