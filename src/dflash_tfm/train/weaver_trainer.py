@@ -11,9 +11,10 @@ Why it is built this way:
 - one target forward over prompt + response gives, for every position, the drafter context (tap outputs), the
   prefix row ``h_target`` (final-normed hidden at L − 1) and p_target along the path (the path tokens ARE the
   response tokens), so several positions of a row share one target pass;
-- the drafter runs its real cached ``draft`` (batch 1) at each L; the Weaver runs its real ``encode_prefix`` /
-  ``step`` / ``child_logits`` on a chain tree (node d's ancestors = the path root … d), so training and
-  inference cannot drift apart;
+- the drafter runs its real cached ``draft`` (batch 1) at each L; the Weaver scores all positions' chains in
+  one pass through its own modules (``path_log_probs``), the same numbers as its inference calls
+  ``encode_prefix`` / ``step`` / ``child_logits`` on a chain tree (node d's ancestors = the path root … d) —
+  a test compares the two, so training and inference cannot drift apart;
 - ``prepare`` precomputes ``token_table`` and ``W_res`` without gradients (inference needs them once); training
   re-derives both from the parameters once per optimizer step, so ``token_in``, ``embed_norm`` and
   ``lm_head_query_in`` are learnt through the very tables inference uses;
@@ -41,7 +42,7 @@ from tqdm.auto import tqdm
 from dflash_tfm.engine.cache import ModelCache
 from dflash_tfm.models.decoder import CausalLM
 from dflash_tfm.spec.dflash import DFlashDrafter
-from dflash_tfm.spec.weaver import SPECULATOR_KIND, Weaver, WeaverCache, WeaverConfig, WeaverNorm, load_weaver
+from dflash_tfm.spec.weaver import SPECULATOR_KIND, Weaver, WeaverConfig, WeaverNorm, load_weaver
 from dflash_tfm.train.step_budget import StepBudget
 
 SCHEDULES = ("wsd", "cosine", "constant")
@@ -148,27 +149,46 @@ class FrozenTeacher:
         )
 
 
-def _per_layer(cache: WeaverCache) -> WeaverCache:
-    """The same cache with one K/V tensor per layer. ``step`` writes layer l's node slots in place after layer
-    l − 1's attention saved its K/V for backward; slices of one tensor share autograd's version counter (so
-    that would fail for more than one layer), separate tensors do not."""
-    k, v = [t.clone() for t in cache.k], [t.clone() for t in cache.v]
-    return WeaverCache(k, v, cache.prefix_len)  # type: ignore[arg-type]  # lists index per layer like the tensor
+def _chain_mask(K: int, device: torch.device) -> torch.Tensor:
+    """[P + K, P + K] bool, True = visible, for P = K + 1 prefix rows followed by a K-node chain: prefix rows
+    attend causally among themselves (``encode_prefix``); node d attends to every prefix row and to nodes 0 … d
+    (its inclusive ancestors on the chain, as ``step`` sees them)."""
+    P = K + 1
+    mask = torch.ones(P + K, P + K, dtype=torch.bool, device=device).tril()
+    mask[P:, :P] = True
+    return mask
 
 
 def path_log_probs(weaver: Weaver, batch: PathBatch) -> torch.Tensor:
-    """log q_weaver over each depth's pool along the true paths, [B, K, P] fp32, through the inference code:
-    one ``encode_prefix`` per position, one batched ``step`` over the whole chain (root … depth K − 1)."""
+    """log q_weaver over each depth's pool along the true paths, [B, K, P] fp32, for all B positions in one pass.
+
+    Each position is one sequence of its K + 1 prefix rows then its K path nodes under `_chain_mask`, through the
+    Weaver's own modules (norms, projections, blocks, ``child_logits``): the same numbers as ``encode_prefix``
+    followed by node-by-node ``step`` calls, which tests/train/test_train_weaver.py checks, without a Python
+    loop over positions (the loop made training launch-bound).
+    """
+    cfg = weaver.config
     B, K = batch.tokens.shape
-    device = batch.tokens.device
-    slots = torch.arange(K, device=device)
-    chain = torch.ones(K, K, dtype=torch.bool, device=device).tril()  # inclusive ancestors of node d: 0 … d
-    queries = [
-        weaver.step(_per_layer(weaver.encode_prefix(batch.h_target[b], batch.h_dflash[b], K)), slots,
-                    batch.tokens[b], slots, chain)
-        for b in range(B)
-    ]
-    logits = weaver.child_logits(torch.cat(queries), batch.pool_ids.flatten(0, 1), batch.pool_logits.flatten(0, 1))
+    P, T = cfg.prefix_len, cfg.prefix_len + K
+    dtype = weaver.token_in.weight.dtype
+    feats = torch.cat([batch.h_target[:, None], batch.h_dflash], 1).to(dtype)  # [B, P, d_model]
+    prefix = weaver.proposal_in(weaver.output_norm(feats))
+    nodes = weaver.token_table[batch.tokens]  # [B, K, d_rank]
+    depths = torch.arange(K, device=nodes.device)
+    if not cfg.rotary:
+        prefix = torch.cat([prefix[:, :1], prefix[:, 1:] + weaver.pos_emb], 1)
+        nodes = nodes + weaver.pos_emb[depths.clamp(max=cfg.K - 1)]
+    x = torch.cat([prefix, nodes], 1).flatten(0, 1)  # [B·T, d_rank]
+    rope = weaver._rope(torch.cat([torch.arange(P, device=x.device), depths.clamp(max=cfg.K) + 1]))
+    rope = None if rope is None else (rope[0].repeat(B, 1), rope[1].repeat(B, 1))
+    mask = _chain_mask(K, x.device)
+    for block in weaver.blocks:
+        q, k, v = (t.view(B, T, cfg.num_heads, cfg.head_dim) for t in block.project_qkv(x, rope))
+        scores = torch.einsum("bwhd,bthd->bhwt", q.float(), k.float()) * cfg.head_dim**-0.5
+        probs = scores.masked_fill(~mask, float("-inf")).softmax(-1).to(v.dtype)
+        x = block.finish(x, torch.einsum("bhwt,bthd->bwhd", probs, v).reshape(B * T, -1))
+    queries = weaver.out_norm(x).view(B, T, -1)[:, P:]
+    logits = weaver.child_logits(queries.flatten(0, 1), batch.pool_ids.flatten(0, 1), batch.pool_logits.flatten(0, 1))
     return logits.log_softmax(-1).view(B, K, -1)
 
 
