@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from dflash_tfm.config import ModelConfig
+from dflash_tfm.engine.cache import ModelCache
 from dflash_tfm.engine.model_runner import ModelRunner
 from dflash_tfm.loading.loader import build_model
 from dflash_tfm.models.decoder import CausalLM
@@ -136,6 +137,26 @@ def test_training_continues_from_a_saved_weaver(setups, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="candidate pool"):
         train_weaver(s.model, s.drafter, s.data, tmp_path / "c.pth", **dict(SMALL, pool_size=SMALL["pool_size"] // 2),
                      steps=1, init_from=tmp_path / "a.pth", **kwargs)
+
+
+def test_teacher_drafts_equal_inference_drafts(setups) -> None:
+    """The teacher drafts all positions of a row in one block forward; each equals the drafter's own cached
+    `draft` at that position (context appended up to L, root = the row's token at L)."""
+    s = setups("llama")
+    row = read_rows(s.data, 64)[1]
+    positions = [row.prompt_len, row.prompt_len + 5, len(row.ids) - 2]
+    batch = FrozenTeacher(s.model, s.drafter, 128, 64).paths(row, positions)
+    T = len(row.ids)
+    ids = torch.tensor(row.ids)
+    cache = ModelCache(s.cfg, 64, 1, torch.float32, torch.device("cpu"))
+    _, taps = s.model(ids.view(1, T), torch.arange(T).view(1, T), cache, kv_len=T,
+                      tap_layers=tuple(s.drafter.config.target_layer_ids))
+    feats = torch.cat(taps, dim=-1)
+    for i, L in enumerate(positions):
+        s.drafter.append_context(feats[:, :L], 0)
+        logits, hidden = s.drafter.draft(ids[L : L + 1], L, kv_len=L + BLOCK)
+        torch.testing.assert_close(batch.h_dflash[i], hidden[0], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(batch.pool_logits[i], logits[0].topk(128, dim=-1).values, rtol=1e-4, atol=1e-4)
 
 
 def sequential_log_probs(weaver: Weaver, batch) -> torch.Tensor:

@@ -11,7 +11,8 @@ Why it is built this way:
 - one target forward over prompt + response gives, for every position, the drafter context (tap outputs), the
   prefix row ``h_target`` (final-normed hidden at L − 1) and p_target along the path (the path tokens ARE the
   response tokens), so several positions of a row share one target pass;
-- the drafter runs its real cached ``draft`` (batch 1) at each L; the Weaver scores all positions' chains in
+- the drafter drafts the blocks of all positions of a row in one pass (``block_forward``, the drafter trainer's
+  forward, held equal to inference ``draft`` by tests/train/test_train_dflash.py); the Weaver scores all positions' chains in
   one pass through its own modules (``path_log_probs``), the same numbers as its inference calls
   ``encode_prefix`` / ``step`` / ``child_logits`` on a chain tree (node d's ancestors = the path root … d) —
   a test compares the two, so training and inference cannot drift apart;
@@ -37,12 +38,14 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from dflash_tfm.engine.cache import ModelCache
 from dflash_tfm.models.decoder import CausalLM
 from dflash_tfm.spec.dflash import DFlashDrafter
 from dflash_tfm.spec.weaver import SPECULATOR_KIND, Weaver, WeaverConfig, WeaverNorm, load_weaver
+from dflash_tfm.train.dflash_forward import block_forward
 from dflash_tfm.train.step_budget import StepBudget
 
 SCHEDULES = ("wsd", "cosine", "constant")
@@ -121,7 +124,7 @@ class FrozenTeacher:
 
     @torch.no_grad()
     def paths(self, row: TrainRow, positions: list[int]) -> PathBatch:
-        """Positions L must satisfy prompt_len <= L < len(row.ids); they are processed in increasing order."""
+        """Positions L must satisfy prompt_len <= L < len(row.ids); the batch lists them in increasing order."""
         K, T = self.block - 1, len(row.ids)
         ids = torch.tensor(row.ids, device=self.device)
         self.cache.reset()
@@ -133,17 +136,12 @@ class FrozenTeacher:
         valid = node_pos < T
         node_pos = node_pos.clamp(max=T - 1)
         target_logits = self.target.logits(hidden[node_pos])  # [B, K, V]: distribution of the child of node d
-        drafts, written = [], 0
-        for L in starts.tolist():
-            # A draft writes its block's K/V over context slots L … L+B−1 as scratch: re-append from the last
-            # draft's start (context K/V depend only on their own tap features, so rewriting them is exact).
-            self.drafter.append_context(feats[:, written:L], written)
-            drafts.append(self.drafter.draft(ids[L : L + 1], L, kv_len=L + self.block))
-            written = L
-        draft_logits = torch.cat([d[0] for d in drafts])  # [B, K, V] fp32
+        # All positions' draft blocks in one pass (the drafter trainer's block forward, equal to `draft` at each L).
+        h_dflash = block_forward(self.drafter, feats, ids.view(1, T), starts.view(1, -1))[0]  # [B, K, H]
+        draft_logits = F.linear(h_dflash, self.drafter.lm_head_weight).float()  # [B, K, V]
         pool_logits, pool_ids = draft_logits.topk(self.pool, dim=-1)
         return PathBatch(
-            h_target=hidden[starts - 1], h_dflash=torch.cat([d[1] for d in drafts]), tokens=ids[node_pos],
+            h_target=hidden[starts - 1], h_dflash=h_dflash, tokens=ids[node_pos],
             valid=valid, pool_ids=pool_ids, pool_logits=pool_logits,
             target_logp=target_logits.gather(-1, pool_ids).log_softmax(-1), target_top1=target_logits.argmax(-1),
         )
