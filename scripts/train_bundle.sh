@@ -40,6 +40,7 @@ TAU_SECONDS=${TAU_SECONDS:-240}
 TAU_DATASETS=${TAU_DATASETS:-"mtbench humaneval gsm8k math500"}
 TAU_TEMPS=${TAU_TEMPS:-"0 1"}
 TAU_BUDGETS=${TAU_BUDGETS:-"64 32 16"}
+TAU_ALGORITHMS=${TAU_ALGORITHMS:-"DFLASH DDTREE DFLASH_TFM"}
 export PYTHONUNBUFFERED=1 TQDM_MININTERVAL=${TQDM_MININTERVAL:-15}
 # Dozens of short-lived processes share 16 cores: compiling the fused helpers in each would cost more than it
 # saves (τ does not depend on it; tok/s from these contended runs is not a speed measurement anyway).
@@ -103,21 +104,15 @@ if [[ $PHASES == *weaver* ]]; then
 fi
 
 if [[ $PHASES == *tau* ]]; then
-  say "tau: datasets ($TAU_DATASETS) x temperatures ($TAU_TEMPS) x budgets ($TAU_BUDGETS), one process each, ${TAU_SECONDS} s"
+  # One process per dataset, 4 threads each: 32 processes (one per cell) spent the whole 240 s loading weights
+  # on 16 cores. Temperatures and budgets run in sequence inside a process; every finished cell is written.
+  say "tau: datasets ($TAU_DATASETS), temperatures ($TAU_TEMPS), budgets ($TAU_BUDGETS), at most ${TAU_SECONDS} s"
   mkdir -p "$OUT/tau"
   for ds in $TAU_DATASETS; do
-    for temp in $TAU_TEMPS; do
-      for budget in $TAU_BUDGETS; do
-        groups=("DDTREE" "DFLASH_TFM"); [ "$budget" = 64 ] && groups=("AR DFLASH" "DDTREE" "DFLASH_TFM")
-        for algos in "${groups[@]}"; do
-          name=${ds}_T${temp}_b${budget}_${algos// /_}
-          timeout "$TAU_SECONDS" $PY -m benchmarks.measure_acceptance --target-path "$GGUF" --bundle "$WORK/bundle" \
-            --datasets "$ds" --dataset-dir .stage/datasets --prompts-per-dataset "$TAU_PROMPTS" \
-            --max-new-tokens "$TAU_TOKENS" --temperatures "$temp" --budgets "$budget" --algorithms $algos \
-            --device "$DEVICE" --out "$OUT/tau/$name.jsonl" > "$OUT/tau/$name.log" 2>&1 &
-        done
-      done
-    done
+    OMP_NUM_THREADS=4 timeout "$TAU_SECONDS" $PY -m benchmarks.measure_acceptance --target-path "$GGUF" \
+      --bundle "$WORK/bundle" --datasets "$ds" --dataset-dir .stage/datasets --prompts-per-dataset "$TAU_PROMPTS" \
+      --max-new-tokens "$TAU_TOKENS" --temperatures $TAU_TEMPS --budgets $TAU_BUDGETS --algorithms $TAU_ALGORITHMS \
+      --device "$DEVICE" --out "$OUT/tau/$ds.jsonl" > "$OUT/tau/$ds.log" 2>&1 &
   done
   wait
   cat "$OUT"/tau/*.jsonl 2>/dev/null | wc -l | xargs echo "tau cells:" | tee -a "$OUT/train_bundle.txt"
