@@ -21,7 +21,7 @@ from dflash_tfm.spec.dflash import DFlashDrafter, load_dflash_drafter
 from dflash_tfm.spec.fixtures import write_random_dflash_checkpoint
 from dflash_tfm.spec.weaver import Weaver, WeaverConfig, load_weaver
 from dflash_tfm.train.weaver_trainer import (
-    FrozenTeacher, lr_multiplier, main, new_weaver, path_log_probs, read_rows, train_weaver,
+    FrozenTeacher, TrainRow, lr_multiplier, main, new_weaver, path_log_probs, read_rows, train_weaver,
 )
 
 BLOCK, VOCAB = 8, 160
@@ -139,24 +139,37 @@ def test_training_continues_from_a_saved_weaver(setups, tmp_path: Path) -> None:
                      steps=1, init_from=tmp_path / "a.pth", **kwargs)
 
 
-def test_teacher_drafts_equal_inference_drafts(setups) -> None:
-    """The teacher drafts all positions of a row in one block forward; each equals the drafter's own cached
-    `draft` at that position (context appended up to L, root = the row's token at L)."""
-    s = setups("llama")
-    row = read_rows(s.data, 64)[1]
-    positions = [row.prompt_len, row.prompt_len + 5, len(row.ids) - 2]
-    batch = FrozenTeacher(s.model, s.drafter, 128, 64).paths(row, positions)
-    T = len(row.ids)
-    ids = torch.tensor(row.ids)
-    cache = ModelCache(s.cfg, 64, 1, torch.float32, torch.device("cpu"))
-    _, taps = s.model(ids.view(1, T), torch.arange(T).view(1, T), cache, kv_len=T,
-                      tap_layers=tuple(s.drafter.config.target_layer_ids))
-    feats = torch.cat(taps, dim=-1)
-    for i, L in enumerate(positions):
-        s.drafter.append_context(feats[:, :L], 0)
-        logits, hidden = s.drafter.draft(ids[L : L + 1], L, kv_len=L + BLOCK)
-        torch.testing.assert_close(batch.h_dflash[i], hidden[0], rtol=1e-4, atol=1e-4)
-        torch.testing.assert_close(batch.pool_logits[i], logits[0].topk(128, dim=-1).values, rtol=1e-4, atol=1e-4)
+@pytest.mark.parametrize("arch", ["llama", "qwen3_5_text"])
+def test_teacher_batch_equals_inference_per_row(setups, arch: str) -> None:
+    """The teacher runs several rows (right-padded, different lengths and position counts) in one target pass and
+    drafts all positions in one block forward. Each position equals the inference path on its row alone: the
+    target's plain prefill of that row, and the drafter's cached `draft` at L (context appended up to L)."""
+    s = setups(arch)
+    rows = read_rows(s.data, 64)[1:3]
+    rows[1] = TrainRow(rows[1].ids[:-7], rows[1].prompt_len)  # a shorter row: the first one is padded past it
+    positions = [[rows[0].prompt_len, rows[0].prompt_len + 5, len(rows[0].ids) - 2], [len(rows[1].ids) - 3]]
+    batch = FrozenTeacher(s.model, s.drafter, 128, 64).paths(rows, positions)
+    i = 0
+    for row, row_positions in zip(rows, positions):
+        T, ids = len(row.ids), torch.tensor(row.ids)
+        cache = ModelCache(s.cfg, 64, 1, torch.float32, torch.device("cpu"))
+        hidden, taps = s.model(ids.view(1, T), torch.arange(T).view(1, T), cache, kv_len=T,
+                               tap_layers=tuple(s.drafter.config.target_layer_ids))
+        feats = torch.cat(taps, dim=-1)
+        for L in row_positions:
+            s.drafter.append_context(feats[:, :L], 0)
+            logits, h_dflash = s.drafter.draft(ids[L : L + 1], L, kv_len=L + BLOCK)
+            close = lambda a, b: torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)  # noqa: E731
+            close(batch.h_dflash[i], h_dflash[0])
+            close(batch.pool_logits[i], logits[0].topk(128, dim=-1).values)
+            close(batch.h_target[i], hidden[0, L - 1])
+            depths = torch.arange(BLOCK - 1)
+            assert torch.equal(batch.valid[i], L + depths < T)
+            nodes = (L + depths).clamp(max=T - 1)
+            assert torch.equal(batch.tokens[i], ids[nodes])
+            assert torch.equal(batch.target_top1[i], s.model.logits(hidden[0, nodes]).argmax(-1))
+            i += 1
+    assert i == batch.tokens.shape[0] == 4
 
 
 def sequential_log_probs(weaver: Weaver, batch) -> torch.Tensor:
@@ -178,7 +191,7 @@ def test_batched_chain_equals_node_by_node_expansion(setups, activation: str) ->
     s = setups("llama")
     rows = read_rows(s.data, 64)
     teacher = FrozenTeacher(s.model, s.drafter, 128, 64)
-    batch = teacher.paths(rows[0], [rows[0].prompt_len, len(rows[0].ids) - 3])  # the second path is cut short
+    batch = teacher.paths(rows[:1], [[rows[0].prompt_len, len(rows[0].ids) - 3]])  # the second path is cut short
     assert batch.valid[1].tolist() == [True] * 3 + [False] * (BLOCK - 4)
     cfg = WeaverConfig.from_dict(dict(d_model=64, d_embed=64, d_rank=32, num_layers=2, num_heads=2, mlp_dim=64,
                                       K=BLOCK - 1, candidate_pool_size=128, activation=activation))

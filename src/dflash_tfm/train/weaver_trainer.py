@@ -34,7 +34,7 @@ import math
 import os
 import random
 import sys
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -51,6 +51,7 @@ from dflash_tfm.train.step_budget import StepBudget
 SCHEDULES = ("wsd", "cosine", "constant")
 WARMUP_FRAC, DECAY_FRAC = 0.04, 0.2  # WSD: 4 % linear warm-up, flat, linear decay to 0 over the last 20 %
 MAX_VAL_POSITIONS = 512
+VAL_ROWS_PER_PASS = 8  # rows per target pass when the held-out positions are computed
 
 
 @dataclass
@@ -104,13 +105,9 @@ class PathBatch:
     target_logp: torch.Tensor
     target_top1: torch.Tensor
 
-    @staticmethod
-    def cat(batches: list[PathBatch]) -> PathBatch:
-        return PathBatch(*(torch.cat([getattr(b, f.name) for b in batches]) for f in fields(PathBatch)))
-
 
 class FrozenTeacher:
-    """The frozen target and drafter: turns (row, positions) into a :class:`PathBatch`."""
+    """The frozen target and drafter: turns rows and their draft positions into a :class:`PathBatch`."""
 
     def __init__(self, target: CausalLM, drafter: DFlashDrafter, pool_size: int, max_seq_len: int) -> None:
         self.target, self.drafter = target, drafter
@@ -118,32 +115,46 @@ class FrozenTeacher:
         self.taps = tuple(drafter.config.target_layer_ids)
         self.pool = min(pool_size, target.config.vocab_size)
         self.device = target.embed_tokens.device
-        self.cache = ModelCache(target.config, max_seq_len, 1, target.embed_tokens.dtype, self.device)
+        self.max_seq_len = max_seq_len
+        self.caches: dict[int, ModelCache] = {}  # by row count
         if drafter.max_len < max_seq_len + self.block:
             drafter.allocate(max_seq_len + self.block)
 
     @torch.no_grad()
-    def paths(self, row: TrainRow, positions: list[int]) -> PathBatch:
-        """Positions L must satisfy prompt_len <= L < len(row.ids); the batch lists them in increasing order."""
-        K, T = self.block - 1, len(row.ids)
-        ids = torch.tensor(row.ids, device=self.device)
-        self.cache.reset()
-        hidden, taps = self.target(ids.view(1, T), torch.arange(T, device=self.device).view(1, T), self.cache,
-                                   kv_len=T, tap_layers=self.taps)
-        hidden, feats = hidden[0], torch.cat(taps, dim=-1)
-        starts = torch.tensor(sorted(positions), device=self.device)
-        node_pos = starts[:, None] + torch.arange(K, device=self.device)  # [B, K]: position of the depth-d node
-        valid = node_pos < T
-        node_pos = node_pos.clamp(max=T - 1)
-        target_logits = self.target.logits(hidden[node_pos])  # [B, K, V]: distribution of the child of node d
-        # All positions' draft blocks in one pass (the drafter trainer's block forward, equal to `draft` at each L).
-        h_dflash = block_forward(self.drafter, feats, ids.view(1, T), starts.view(1, -1))[0]  # [B, K, H]
-        draft_logits = F.linear(h_dflash, self.drafter.lm_head_weight).float()  # [B, K, V]
+    def paths(self, rows: list[TrainRow], positions: list[list[int]]) -> PathBatch:
+        """Positions L of row i (prompt_len <= L < len(row.ids)) -> one PathBatch, rows in order, each row's
+        positions in increasing order.
+
+        One target pass over all rows (right-padded: causal attention and the GDN recurrence never let a pad
+        token reach an earlier position) and one drafter block forward for every position (the drafter
+        trainer's, equal to `draft` at each L); a row with fewer positions repeats its last one, dropped after.
+        """
+        R, K = len(rows), self.block - 1
+        lengths = torch.tensor([len(r.ids) for r in rows], device=self.device)
+        T, n = int(lengths.max()), max(len(p) for p in positions)
+        ids = torch.zeros(R, T, dtype=torch.long, device=self.device)
+        for i, row in enumerate(rows):
+            ids[i, : len(row.ids)] = torch.tensor(row.ids)
+        anchors = torch.tensor([sorted(p) + [max(p)] * (n - len(p)) for p in positions], device=self.device)  # [R, n]
+        real = (torch.arange(n) < torch.tensor([len(p) for p in positions])[:, None]).view(-1).to(self.device)
+        cache = self.caches.get(R) or self.caches.setdefault(
+            R, ModelCache(self.target.config, self.max_seq_len, R, self.target.embed_tokens.dtype, self.device))
+        cache.reset()
+        hidden, taps = self.target(ids, torch.arange(T, device=self.device).expand(R, T), cache, kv_len=T,
+                                   tap_layers=self.taps)
+        h_dflash = block_forward(self.drafter, torch.cat(taps, dim=-1), ids, anchors)  # [R, n, K, H]
+        node_pos = anchors[..., None] + torch.arange(K, device=self.device)  # [R, n, K]: depth-d node positions
+        valid = node_pos < lengths[:, None, None]
+        node_pos = torch.minimum(node_pos, (lengths - 1)[:, None, None])
+        rows_of = torch.arange(R, device=self.device)[:, None]
+        target_logits = self.target.logits(hidden[rows_of[..., None], node_pos])  # [R, n, K, V]: child of node d
+        draft_logits = F.linear(h_dflash, self.drafter.lm_head_weight).float()
         pool_logits, pool_ids = draft_logits.topk(self.pool, dim=-1)
+        flat = lambda t: t.flatten(0, 1)[real]  # noqa: E731  [R, n, ...] -> the real positions' rows
         return PathBatch(
-            h_target=hidden[starts - 1], h_dflash=h_dflash, tokens=ids[node_pos],
-            valid=valid, pool_ids=pool_ids, pool_logits=pool_logits,
-            target_logp=target_logits.gather(-1, pool_ids).log_softmax(-1), target_top1=target_logits.argmax(-1),
+            h_target=flat(hidden[rows_of, anchors - 1]), h_dflash=flat(h_dflash), tokens=flat(ids[rows_of[..., None], node_pos]),
+            valid=flat(valid), pool_ids=flat(pool_ids), pool_logits=flat(pool_logits),
+            target_logp=flat(target_logits.gather(-1, pool_ids).log_softmax(-1)), target_top1=flat(target_logits.argmax(-1)),
         )
 
 
@@ -288,34 +299,35 @@ def _sample_positions(row: TrainRow, n: int, rng: random.Random) -> list[int]:
 
 def held_out_batches(teacher: FrozenTeacher, rows: list[TrainRow], per_row: int, rng: random.Random) -> list[PathBatch]:
     """Fixed validation positions (at most MAX_VAL_POSITIONS), computed once and reused at every evaluation."""
-    batches, budget = [], MAX_VAL_POSITIONS
+    picked: list[tuple[TrainRow, list[int]]] = []
+    budget = MAX_VAL_POSITIONS
     for row in rows:
         if budget <= 0:
             break
-        positions = _sample_positions(row, min(per_row, budget), rng)
-        batches.append(teacher.paths(row, positions))
-        budget -= len(positions)
-    return batches
+        picked.append((row, _sample_positions(row, min(per_row, budget), rng)))
+        budget -= len(picked[-1][1])
+    return [teacher.paths([r for r, _ in group], [p for _, p in group])
+            for group in (picked[i : i + VAL_ROWS_PER_PASS] for i in range(0, len(picked), VAL_ROWS_PER_PASS))]
 
 
 class PositionSampler:
-    """Training batches: rows in shuffled epochs, ``per_row`` random positions from each (one target pass per row)."""
+    """Training batches: rows in shuffled epochs, ``per_row`` random positions from each (one target pass for
+    all rows of a batch)."""
 
     def __init__(self, teacher: FrozenTeacher, rows: list[TrainRow], per_row: int, rng: random.Random) -> None:
         self.teacher, self.rows, self.per_row, self.rng = teacher, rows, per_row, rng
         self.order: list[TrainRow] = []
 
     def batch(self, size: int) -> PathBatch:
-        parts = []
+        rows, positions = [], []
         while size > 0:
             if not self.order:
                 self.order = list(self.rows)
                 self.rng.shuffle(self.order)
-            row = self.order.pop()
-            positions = _sample_positions(row, min(self.per_row, size), self.rng)
-            parts.append(self.teacher.paths(row, positions))
-            size -= len(positions)
-        return PathBatch.cat(parts)
+            rows.append(self.order.pop())
+            positions.append(_sample_positions(rows[-1], min(self.per_row, size), self.rng))
+            size -= len(positions[-1])
+        return self.teacher.paths(rows, positions)
 
 
 def train_weaver(
