@@ -1,7 +1,8 @@
 """Turn `measure_acceptance` JSON lines into the acceptance table (markdown) and a bar plot of τ.
 
 Rows: (temperature, budget) × algorithm; columns: datasets and their macro average (over the datasets
-the algorithm has a cell for, which the table states); the issue's ordering check at the end.
+the algorithm has a cell for, which the table states); cells on an unusual number of prompts show it; the
+issue's ordering check at the end.
 
     python -m benchmarks.acceptance_report tau/*.jsonl --plot docs/acceptance_smollm2.png
 """
@@ -27,6 +28,9 @@ def read_cells(paths: list[Path]) -> dict[tuple[float, int | None, str], dict[st
 
 
 def table(cells: dict, datasets: list[str]) -> str:
+    """Markdown; a cell measured on another number of prompts than most says so: "2.02 (n=5)"."""
+    counts = [row["prompts"] for per in cells.values() for row in per.values()]
+    usual = max(set(counts), key=counts.count)
     lines = ["| T | budget | algorithm | " + " | ".join(datasets) + " | macro avg |",
              "|---|---|---|" + "---|" * (len(datasets) + 1)]
     keys = sorted(cells, key=lambda k: (k[0], -(k[1] or 10**9), ORDER.index(k[2])))
@@ -34,7 +38,8 @@ def table(cells: dict, datasets: list[str]) -> str:
         per = cells[(temperature, budget, algorithm)]
         taus = [per[d]["tau"] for d in datasets if d in per]
         macro = f"{sum(taus) / len(taus):.2f}" + ("" if len(taus) == len(datasets) else f" ({len(taus)} sets)")
-        values = [f"{per[d]['tau']:.2f}" if d in per else "–" for d in datasets]
+        values = [f"{per[d]['tau']:.2f}" + ("" if per[d]["prompts"] == usual else f" (n={per[d]['prompts']})")
+                  if d in per else "–" for d in datasets]
         lines.append(f"| {temperature:g} | {budget or '–'} | {algorithm} | " + " | ".join(values) + f" | {macro} |")
     return "\n".join(lines)
 

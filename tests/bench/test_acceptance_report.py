@@ -1,0 +1,23 @@
+"""The acceptance report: cells by (temperature, budget, algorithm), unusual prompt counts shown, and the
+issue's ordering check saying NO when the order breaks."""
+import json
+from pathlib import Path
+
+from benchmarks.acceptance_report import ordering, read_cells, table
+
+
+def write(path: Path, rows: list[tuple[str, str, float, int | None, float, int]]) -> None:
+    path.write_text("".join(json.dumps({"dataset": d, "algorithm": a, "temperature": t, "budget": b, "tau": tau,
+                                        "prompts": n}) + "\n" for d, a, t, b, tau, n in rows))
+
+
+def test_table_and_ordering(tmp_path: Path) -> None:
+    write(tmp_path / "a.jsonl", [("gsm8k", "DFLASH", 0.0, None, 1.5, 20), ("gsm8k", "DDTREE", 0.0, 64, 2.0, 20),
+                                 ("gsm8k", "DFLASH_TFM", 0.0, 64, 2.5, 20), ("mtbench", "DFLASH", 0.0, None, 1.4, 20)])
+    write(tmp_path / "b.jsonl", [("mtbench", "DDTREE", 0.0, 64, 1.3, 5), ("mtbench", "DFLASH_TFM", 0.0, 64, 1.6, 20)])
+    cells = read_cells([tmp_path / "a.jsonl", tmp_path / "b.jsonl"])
+    md = table(cells, ["gsm8k", "mtbench"])
+    assert "| 0 | 64 | DDTREE | 2.00 | 1.30 (n=5) | 1.65 |" in md
+    assert "| 0 | – | DFLASH | 1.50 | 1.40 | 1.45 |" in md
+    checks = ordering(cells, ["gsm8k", "mtbench"], 0.0, 64)
+    assert checks[0].endswith("yes; TFM / DFLASH = 1.67") and "NO" in checks[1]  # DDTREE 1.3 < DFLASH 1.4
