@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import time
 
+from tqdm.auto import tqdm
+
 
 class StepBudget:
     """``steps`` optimizer steps, or fewer when ``seconds`` would run out first.
@@ -56,6 +58,15 @@ class StepBudget:
         fitted = max(done, min(self.requested, done + int(left / pace)))
         changed, self.steps = fitted != self.steps, fitted
         return changed
+
+    def step_done(self, done: int, bar: tqdm) -> bool:
+        """`after_step` for a loop with a progress bar: advances the bar, retargets it (with a note) when the
+        count changes. True when ``done`` is the last step."""
+        bar.update()
+        if self.after_step(done):
+            bar.total = self.steps
+            bar.write(f"time budget: {self.note()}")
+        return done == self.steps
 
     def note(self) -> str:
         """One line for logs: what the budget did."""
