@@ -19,6 +19,7 @@ from typing import Generic, TypeVar
 import torch
 
 from dflash_tfm.engine.cache import ModelCache
+from dflash_tfm.engine.model_runner import prefill_in_chunks
 from dflash_tfm.engine.sampler import make_generator, sample
 from dflash_tfm.models.decoder import CausalLM
 from dflash_tfm.sampling_params import SamplingParams
@@ -53,25 +54,12 @@ class BatchGenerator:
         self.prefill_chunk = prefill_chunk
         self.cache = ModelCache(model.config, max_len, slots, model.embed_tokens.dtype, self.device)
 
-    def _row_cache(self, slot: int) -> ModelCache:
-        """A batch-1 view of one slot's cache rows: writes through it land in the shared buffers."""
-        view = object.__new__(ModelCache)
-        view.max_len = self.max_len
-        view.attention = {i: (k[slot : slot + 1], v[slot : slot + 1]) for i, (k, v) in self.cache.attention.items()}
-        view.gdn = {i: (s[slot : slot + 1], w[slot : slot + 1]) for i, (s, w) in self.cache.gdn.items()}
-        return view
-
     def _prefill(self, slot: int, prompt_ids: list[int]) -> torch.Tensor:
         """Fill slot's rows with the prompt from a zero recurrent state; returns the last position's logits [V]."""
-        cache = self._row_cache(slot)
+        cache = self.cache.row(slot)
         cache.reset()
-        ids = torch.tensor(prompt_ids, dtype=torch.long, device=self.device).view(1, -1)
-        hidden = None
-        for s in range(0, ids.shape[1], self.prefill_chunk):
-            e = min(ids.shape[1], s + self.prefill_chunk)
-            positions = torch.arange(s, e, device=self.device).view(1, -1)
-            hidden, _ = self.model(ids[:, s:e], positions, cache, kv_len=e)
-        return self.model.logits(hidden[0, -1])
+        ids = torch.tensor(prompt_ids, dtype=torch.long, device=self.device)
+        return self.model.logits(prefill_in_chunks(self.model, ids, cache, 0, self.prefill_chunk))
 
     @torch.inference_mode()
     def generate(

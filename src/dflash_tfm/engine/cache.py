@@ -33,6 +33,14 @@ class ModelCache:
             state.zero_()
             window.zero_()
 
+    def row(self, b: int) -> "ModelCache":
+        """A batch-1 view of batch row ``b``: reads and writes through it land in this cache's buffers."""
+        view = object.__new__(ModelCache)
+        view.max_len = self.max_len
+        view.attention = {i: (k[b : b + 1], v[b : b + 1]) for i, (k, v) in self.attention.items()}
+        view.gdn = {i: (s[b : b + 1], w[b : b + 1]) for i, (s, w) in self.gdn.items()}
+        return view
+
     def nbytes(self) -> int:
         tensors = [t for pair in (*self.attention.values(), *self.gdn.values()) for t in pair]
         return sum(t.numel() * t.element_size() for t in tensors)

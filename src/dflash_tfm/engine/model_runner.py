@@ -17,6 +17,24 @@ from dflash_tfm.models.decoder import CausalLM
 MIN_BUCKET = 256
 
 
+def prefill_in_chunks(
+    model: CausalLM, token_ids: torch.Tensor, cache: ModelCache, start: int, chunk: int,
+    tap_layers: tuple[int, ...] = (), on_taps: Callable[[list[torch.Tensor], int], None] | None = None,
+) -> torch.Tensor:
+    """Feed token_ids [T] (on the model's device) into batch-1 `cache` at positions start.. in chunks of `chunk`
+    (bounded activation memory); returns the final-normed hidden state [hidden] of the last token."""
+    T = token_ids.shape[0]
+    ids = token_ids.view(1, T)
+    hidden = None
+    for s in range(0, T, chunk):
+        e = min(T, s + chunk)
+        positions = torch.arange(start + s, start + e, device=ids.device).view(1, -1)
+        hidden, taps = model(ids[:, s:e], positions, cache, kv_len=start + e, tap_layers=tap_layers)
+        if on_taps is not None:
+            on_taps(taps, start + s)
+    return hidden[0, -1]
+
+
 class ModelRunner:
     def __init__(
         self, model: CausalLM, max_len: int, device: torch.device, use_cuda_graph: bool = True,
@@ -51,15 +69,8 @@ class ModelRunner:
         T = token_ids.shape[0]
         if start + T > self.max_len:
             raise ValueError(f"{start + T} tokens exceed the engine's max length {self.max_len}")
-        ids = token_ids.to(self.device).view(1, T)
-        hidden = None
-        for s in range(0, T, self.prefill_chunk):
-            e = min(T, s + self.prefill_chunk)
-            positions = torch.arange(start + s, start + e, device=self.device).view(1, -1)
-            hidden, taps = self.model(ids[:, s:e], positions, self.cache, kv_len=start + e, tap_layers=tap_layers)
-            if on_taps is not None:
-                on_taps(taps, start + s)
-        last = hidden[0, -1]
+        last = prefill_in_chunks(self.model, token_ids.to(self.device), self.cache, start, self.prefill_chunk,
+                                 tap_layers, on_taps)
         return self.model.logits(last), last
 
     def bucket(self, position: int) -> int:
