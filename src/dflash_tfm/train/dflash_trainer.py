@@ -101,8 +101,13 @@ class TargetFeatures:
         self.model, self.tap_layers, self.max_len = model, tuple(tap_layers), max_len
         self.caches: dict[int, ModelCache] = {}
 
-    @torch.no_grad()
     def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [b, T] -> the tap layers' outputs concatenated, [b, T, len(taps) * hidden]."""
+        return self.hidden_and_features(tokens)[1]
+
+    @torch.no_grad()
+    def hidden_and_features(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Also the final-normed hidden states [b, T, hidden] of the same pass (Weaver training needs both)."""
         b, T = tokens.shape
         if b not in self.caches:
             embed = self.model.embed_tokens
@@ -110,8 +115,8 @@ class TargetFeatures:
         cache = self.caches[b]
         cache.reset()
         positions = torch.arange(T, device=tokens.device).expand(b, T)
-        _, taps = self.model(tokens, positions, cache, kv_len=T, tap_layers=self.tap_layers)
-        return torch.cat(taps, dim=-1)
+        hidden, taps = self.model(tokens, positions, cache, kv_len=T, tap_layers=self.tap_layers)
+        return hidden, torch.cat(taps, dim=-1)
 
 
 def block_loss_and_hits(
@@ -313,8 +318,8 @@ def train_dflash(
 
         run_validation(0)
         budget.begin()
-        step = 0
-        while step < budget.steps:
+        done = 0
+        while done < budget.steps:
             if len(epoch) < batch_size:
                 epoch += torch.randperm(len(train_rows), generator=gen).tolist()
             picked, epoch = epoch[:batch_size], epoch[batch_size:]
@@ -327,12 +332,8 @@ def train_dflash(
             grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
             optim.step()
             sched.step()
-            done = step = step + 1
-            bar.update()
-            if budget.after_step(done):
-                bar.total = budget.steps
-                bar.write(f"time budget: {budget.note()}")
-            last = done == budget.steps
+            done += 1
+            last = budget.step_done(done, bar)
             if done % log_every == 0 or last:
                 entry = {"step": done, "loss": loss.item(), "lr": sched.get_last_lr()[0], "grad_norm": grad_norm.item()}
                 result.log.append(entry)

@@ -41,11 +41,11 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from dflash_tfm.engine.cache import ModelCache
 from dflash_tfm.models.decoder import CausalLM
 from dflash_tfm.spec.dflash import DFlashDrafter
 from dflash_tfm.spec.weaver import SPECULATOR_KIND, Weaver, WeaverConfig, WeaverNorm, load_weaver
 from dflash_tfm.train.dflash_forward import block_forward
+from dflash_tfm.train.dflash_trainer import TargetFeatures
 from dflash_tfm.train.step_budget import StepBudget
 
 SCHEDULES = ("wsd", "cosine", "constant")
@@ -112,11 +112,9 @@ class FrozenTeacher:
     def __init__(self, target: CausalLM, drafter: DFlashDrafter, pool_size: int, max_seq_len: int) -> None:
         self.target, self.drafter = target, drafter
         self.block = drafter.config.block_size
-        self.taps = tuple(drafter.config.target_layer_ids)
+        self.features = TargetFeatures(target, drafter.config.target_layer_ids, max_seq_len)
         self.pool = min(pool_size, target.config.vocab_size)
         self.device = target.embed_tokens.device
-        self.max_seq_len = max_seq_len
-        self.caches: dict[int, ModelCache] = {}  # by row count
         if drafter.max_len < max_seq_len + self.block:
             drafter.allocate(max_seq_len + self.block)
 
@@ -137,12 +135,8 @@ class FrozenTeacher:
             ids[i, : len(row.ids)] = torch.tensor(row.ids)
         anchors = torch.tensor([sorted(p) + [max(p)] * (n - len(p)) for p in positions], device=self.device)  # [R, n]
         real = (torch.arange(n) < torch.tensor([len(p) for p in positions])[:, None]).view(-1).to(self.device)
-        cache = self.caches.get(R) or self.caches.setdefault(
-            R, ModelCache(self.target.config, self.max_seq_len, R, self.target.embed_tokens.dtype, self.device))
-        cache.reset()
-        hidden, taps = self.target(ids, torch.arange(T, device=self.device).expand(R, T), cache, kv_len=T,
-                                   tap_layers=self.taps)
-        h_dflash = block_forward(self.drafter, torch.cat(taps, dim=-1), ids, anchors)  # [R, n, K, H]
+        hidden, feats = self.features.hidden_and_features(ids)
+        h_dflash = block_forward(self.drafter, feats, ids, anchors)  # [R, n, K, H]
         node_pos = anchors[..., None] + torch.arange(K, device=self.device)  # [R, n, K]: depth-d node positions
         valid = node_pos < lengths[:, None, None]
         node_pos = torch.minimum(node_pos, (lengths - 1)[:, None, None])
@@ -405,11 +399,7 @@ def train_weaver(
         torch.nn.utils.clip_grad_norm_(weaver.parameters(), 1.0)
         optimizer.step()
         scheduler.step()
-        bar.update()
-        if budget.after_step(step):
-            bar.total = budget.steps
-            bar.write(f"time budget: {budget.note()}")
-        last = step == budget.steps
+        last = budget.step_done(step, bar)
         if step % log_every == 0 or last:
             record = {"step": step, "loss": loss.item(), "kl": kl.item(), "tv": tv.item(),
                       "lr": optimizer.param_groups[0]["lr"]}
