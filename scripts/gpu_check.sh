@@ -2,12 +2,12 @@
 # Everything that needs the GPU, in one call on the device machine (H200): GPU tests at real sizes, then
 # the benchmarks. Logs and JSON land in $OUT (default ./out); a short table is printed last.
 #   device run:  bash scripts/gpu_check.sh            (carry: .whl with fla-core and gguf wheels)
-# Set GPU_CHECK_PARTS to a subset of "tests kernels tree ar verify spec" to run only those parts, GPU_TESTS to
+# Set GPU_CHECK_PARTS to a subset of "tests kernels tree ar verify draft spec" to run only those parts, GPU_TESTS to
 # test paths.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}; mkdir -p "$OUT"
-PARTS=${GPU_CHECK_PARTS:-"tests kernels tree ar verify spec"}
+PARTS=${GPU_CHECK_PARTS:-"tests kernels tree ar verify draft spec"}
 export PYTHONUNBUFFERED=1
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -27,13 +27,14 @@ run() {  # name, command...
   echo "=== $name rc=$rc in $((SECONDS - t0)) s" | tee -a "$OUT/summary.txt"
   [ "$rc" = 0 ] || status=1
 }
-[[ $PARTS == *tests* ]] && run gpu_tests python3 -m pytest -q -m gpu -p no:cacheprovider ${GPU_TESTS:-tests/kernels tests/spec tests/models}
+[[ $PARTS == *tests* ]] && run gpu_tests python3 -m pytest -q -m gpu -p no:cacheprovider ${GPU_TESTS:-tests/kernels tests/spec tests/models tests/engine}
 [[ $PARTS == *kernels* ]] && run bench_gdn_decode python3 -m benchmarks.bench_gdn_decode
 [[ $PARTS == *kernels* ]] && run bench_gdn_fused_decode python3 -m benchmarks.bench_gdn_fused_decode
 [[ $PARTS == *tree* ]] && run bench_tree_kernels python3 -m benchmarks.bench_tree_kernels
 [[ $PARTS == *ar* ]] && run bench_ar_decode python3 -m benchmarks.bench_ar_decode --out "$OUT/ar_decode.json"
 [[ $PARTS == *verify* ]] && run bench_verify_step python3 -m benchmarks.bench_verify_step --out "$OUT/verify_step.json"
-[[ $PARTS == *spec* ]] && run bench_dflash_draft python3 -m benchmarks.bench_dflash_draft
+[[ $PARTS == *draft* ]] && run bench_dflash_draft python3 -m benchmarks.bench_dflash_draft
+[[ $PARTS == *spec* ]] && run bench_spec_step python3 -m benchmarks.bench_spec_step --out "$OUT/spec_step.json"
 [[ $PARTS == *spec* ]] && run bench_tree_build python3 -m benchmarks.bench_tree_build
 echo; cat "$OUT/summary.txt"
 exit $status

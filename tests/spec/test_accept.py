@@ -42,3 +42,19 @@ def test_walk_matches_python(shape: str, seed: int) -> None:
     assert [i for i in acc.path.tolist() if i >= 0] == path
     assert acc.accepted.nonzero().flatten().tolist() == sorted(path)
     assert int(acc.last) == path[-1] and int(acc.bonus) == bonus
+
+
+def test_target_draws_invert_the_cdf_and_never_pick_a_masked_token() -> None:
+    """u in [0, 1) maps to the token whose CDF interval holds u; u just below 1 still lands on a token with
+    p > 0 when top-k masked the vocabulary's tail (the clamp against fp32 rounding of u·total)."""
+    from dflash_tfm.sampling_params import SamplingParams
+    from dflash_tfm.spec.accept import target_draws
+
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, 5.0, 3.0]]).repeat(4, 1)
+    params = SamplingParams(temperature=1.0, top_k=3)
+    p = torch.softmax(torch.tensor([2.0, 5.0, 3.0]), 0)  # tokens 0, 4, 5 survive top-3
+    cdf = torch.cumsum(torch.stack([p[0], torch.tensor(0.0), torch.tensor(0.0), torch.tensor(0.0), p[1], p[2]]), 0)
+    uniforms = torch.tensor([0.0, float(cdf[0]) + 1e-4, float(cdf[4]) + 1e-4, 1 - 2**-24])
+    assert target_draws(logits, params, uniforms).tolist() == [0, 4, 5, 5]
+    greedy = target_draws(logits, SamplingParams(temperature=0.0), uniforms)
+    assert greedy.tolist() == [4, 4, 4, 4]

@@ -111,8 +111,8 @@ def test_a_biased_acceptance_rule_is_detected(setup, monkeypatch) -> None:
     """Negative control: below the root, take the target's argmax instead of a sample (a plausible bug)."""
     cfg, model, root = setup
 
-    def biased(logits, params, generator):
-        draws = target_draws(logits, params, generator)
+    def biased(logits, params, uniforms):
+        draws = target_draws(logits, params, uniforms)
         draws[1:] = logits[1:].argmax(-1)
         return draws
 

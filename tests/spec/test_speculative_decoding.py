@@ -88,7 +88,8 @@ class OracleDrafter:
 
     def append_context(self, taps, start: int) -> None: ...
 
-    def draft(self, root: torch.Tensor, position: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def draft(self, root: torch.Tensor, position: torch.Tensor, kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        position = int(position)  # the decoder passes the committed length as a device tensor
         logits = torch.zeros(1, BLOCK - 1, VOCAB)
         for k in range(1, BLOCK):
             i = position - self.prompt_len + k

@@ -53,12 +53,13 @@ def build_decoder(
 def _proposer(algo: str, runner: ModelRunner, cfg: ModelConfig, weaver_path, budget: int, block: int) -> Proposer:
     from dflash_tfm.spec.chain import build_chain
 
+    chain = Proposer(lambda root, logits, hidden, h_target: build_chain(root, logits), num_nodes=block)
     if algo == "DFLASH":
-        return lambda root, logits, hidden, h_target: build_chain(root, logits)
+        return chain
     if algo == "DDTREE":
         from dflash_tfm.spec.ddtree import build_ddtree
 
-        return lambda root, logits, hidden, h_target: build_ddtree(root, logits, budget)
+        return Proposer(lambda root, logits, hidden, h_target: build_ddtree(root, logits, budget), num_nodes=budget + 1)
     if weaver_path is None:
         raise ValueError("speculative_algorithm=DFLASH_TFM needs weaver_path (a Weaver .pth checkpoint)")
     from dflash_tfm.spec.weaver import load_weaver
@@ -66,5 +67,6 @@ def _proposer(algo: str, runner: ModelRunner, cfg: ModelConfig, weaver_path, bud
 
     weaver = load_weaver(weaver_path, runner.model, cfg, block, runner.device, runner.dtype)
     if budget + 1 <= block:  # a tree no larger than the block: the chain is at least as good
-        return lambda root, logits, hidden, h_target: build_chain(root, logits)
-    return lambda root, logits, hidden, h_target: build_weaver_tree(weaver, root, logits, hidden, h_target, budget)
+        return chain
+    return Proposer(lambda root, logits, hidden, h_target: build_weaver_tree(weaver, root, logits, hidden, h_target, budget),
+                    num_nodes=budget + 1)

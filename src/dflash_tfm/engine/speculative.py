@@ -1,41 +1,65 @@
 """The speculative decode step, shared by DFLASH, DDTREE and DFLASH_TFM:
 
     draft (DFlash block) -> tree (chain | DDTree | Weaver) -> verify (one target pass over the tree)
-    -> accept (lossless walk) -> commit (caches advance along the accepted path only)
+    -> commit (lossless acceptance walk; caches advance along the accepted path only)
 
-Algorithms differ only in the `propose` callable that turns the drafter's block output into a tree.
+Algorithms differ only in the `Proposer` that turns the drafter's block output into a tree. Every phase reads
+and writes device tensors only: the committed length L, the root (bonus) token and the target's hidden state
+at the last committed token live in static buffers, the drafter's context append always writes a full
+block of slots (the ones past the accepted path are scratch the next draft overwrites), and sampling reads
+uniforms drawn before the step. So on CUDA each phase is one graph replay (`PhaseGraphs`), and the step's
+only host synchronisation is reading the tokens it produced.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 from dflash_tfm.engine.model_runner import ModelRunner
+from dflash_tfm.engine.phase_graphs import PhaseGraphs
 from dflash_tfm.engine.phase_timer import PhaseTimer
 from dflash_tfm.engine.sampler import sample
 from dflash_tfm.sampling_params import SamplingParams
 from dflash_tfm.spec.accept import accept_tree, target_draws
 from dflash_tfm.spec.tree import TreeSpec
 
-# propose(root [1] long, draft_logits [K, V] fp32, draft_hidden [K, H], h_target [H]) -> tokens, parents, depths
-Proposer = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+TreeBuilder = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class Proposer:
+    """build(root [1] long, draft_logits [K, V] fp32, draft_hidden [K, H], h_target [H]) -> tokens, parents,
+    depths, each [num_nodes] (static, so the step's shapes never change)."""
+
+    build: TreeBuilder
+    num_nodes: int
 
 
 class SpeculativeDecoder:
-    """Owns one request's speculative state: committed length L, root (bonus) token, the target's final
-    hidden state at the last committed token, and the drafter's context cache."""
+    """Owns one request's speculative state (committed length, root token, the target's final hidden state at
+    the last committed token, the drafter's context cache) and the CUDA graphs of the step's phases."""
 
-    def __init__(self, runner: ModelRunner, drafter, propose: Proposer, gdn_kernel: str = "chunk") -> None:
-        self.runner, self.drafter, self.propose = runner, drafter, propose
+    def __init__(self, runner: ModelRunner, drafter, proposer: Proposer, gdn_kernel: str = "chunk") -> None:
+        self.runner, self.drafter, self.proposer = runner, drafter, proposer
         self.model = runner.model
         self.gdn_kernel = gdn_kernel
         self.tap_layers = tuple(drafter.config.target_layer_ids)
-        self.max_depth = drafter.config.block_size - 1
+        self.block = drafter.config.block_size
+        self.max_depth = self.block - 1
         self.timer = PhaseTimer(runner.device)
-        self.length = 0
-        self.root: torch.Tensor | None = None
-        self.h_last: torch.Tensor | None = None
+        self.graphs = PhaseGraphs(runner.use_cuda_graph)
+        self.length = 0  # host copy of the committed length
+        device = runner.device
+        self._length = torch.zeros(1, dtype=torch.long, device=device)
+        self._root = torch.zeros(1, dtype=torch.long, device=device)
+        self._h_last = torch.zeros(self.model.config.hidden_size, dtype=runner.dtype, device=device)
+        self._uniforms = torch.zeros(proposer.num_nodes, device=device)
+        self._emitted = torch.full((self.block,), -1, dtype=torch.long, device=device)
+        self._steps = torch.arange(self.block, device=device)
+        self._draft_logits: torch.Tensor | None = None
+        self._draft_hidden: torch.Tensor | None = None
 
     def phase_seconds(self) -> dict[str, float]:
         return self.timer.collect()
@@ -50,37 +74,70 @@ class SpeculativeDecoder:
             on_taps=lambda taps, start: self.drafter.append_context(taps, start),
         )
         self.length = len(prompt_ids)
-        self.h_last = hidden
-        self.root = sample(logits.view(1, -1), params, generator).view(1)
-        return int(self.root.item())
+        self._length.fill_(self.length)
+        self._h_last.copy_(hidden)
+        self._root.copy_(sample(logits.view(1, -1), params, generator).view(1))
+        return int(self._root.item())
 
     @torch.inference_mode()
     def step(self, params: SamplingParams, generator: torch.Generator | None) -> list[int]:
-        """One draft -> tree -> verify -> accept -> commit round; returns the accepted draft tokens and
-        the bonus token. Within one tree depth of the cache end it takes a plain decode step instead."""
+        """One draft -> tree -> verify -> commit round; returns the accepted draft tokens and the bonus token.
+        Within one tree depth of the cache end it takes a plain decode step instead."""
         L, t = self.length, self.timer
         if L + self.max_depth + 1 > self.runner.max_len:
-            logits = self.runner.decode(self.root, L)
-            self.root = sample(logits, params, generator).view(1)
+            logits = self.runner.decode(self._root, L)
+            self._root.copy_(sample(logits, params, generator).view(1))
             self.length = L + 1
-            return [int(self.root.item())]
+            return [int(self._root.item())]
+        if not params.greedy:
+            self._uniforms.uniform_(generator=generator)
+        draft_len = self.runner.bucket(L + self.max_depth)  # >= L + block drafter slots, a power of two
+        sampling = (params.greedy, params.temperature, params.top_k, params.top_p)
         with t.phase("draft"):
-            draft_logits, draft_hidden = self.drafter.draft(self.root, L)
+            self.graphs.run(("draft", draft_len), lambda: self._draft(draft_len))
         with t.phase("tree"):
-            tokens, parents, depths = self.propose(self.root, draft_logits[0], draft_hidden[0], self.h_last)
-            tree = TreeSpec.build(tokens.view(1, -1), parents.view(1, -1), cache_len=L)
+            self.graphs.run("tree", self._tree)
         with t.phase("verify"):
-            hidden, taps, saved = self.model.verify(tree, self.runner.cache, L, self.tap_layers, self.gdn_kernel)
-            logits = self.model.logits(hidden[0])
-            draws = target_draws(logits, params, generator)
-            acc = accept_tree(tokens, parents, depths, tree.ancestor_mask()[0], draws, self.max_depth)
+            self.graphs.run("verify", self._verify)
         with t.phase("commit"):
-            self.model.commit(self.runner.cache, L, tree, saved, acc.accepted.view(1, -1), acc.path.view(1, -1))
-            path_host = acc.path.tolist()  # the one host read per step: which tokens were produced
-            path = [i for i in path_host if i >= 0]
-            index = torch.tensor(path, device=tokens.device)
-            self.drafter.append_context([tap[:, index] for tap in taps], L)
-            self.h_last = hidden[0, path[-1]]
-            self.root = acc.bonus.view(1)
-        self.length = L + len(path)
-        return tokens[index[1:]].tolist() + [int(acc.bonus)]
+            self.graphs.run(("commit", sampling), lambda: self._commit(params), advances_state=True)
+            emitted = self._emitted.tolist()  # the one host read per step: which tokens were produced
+        out = emitted[: emitted.index(-1)] if -1 in emitted else emitted
+        self.length = L + len(out)
+        return out
+
+    # ---- phases: device tensors in, device tensors out -----------------------------------------------
+    def _draft(self, kv_len: int) -> None:
+        logits, hidden = self.drafter.draft(self._root, self._length, kv_len)
+        if self._draft_logits is None:
+            self._draft_logits, self._draft_hidden = torch.empty_like(logits[0]), torch.empty_like(hidden[0])
+        self._draft_logits.copy_(logits[0])
+        self._draft_hidden.copy_(hidden[0])
+
+    def _tree(self) -> None:
+        tokens, parents, depths = self.proposer.build(self._root, self._draft_logits, self._draft_hidden, self._h_last)
+        self._tree_nodes = (tokens, parents, depths)
+        self._tree_spec = TreeSpec.build(tokens.view(1, -1), parents.view(1, -1), cache_len=self._length)
+
+    def _verify(self) -> None:
+        hidden, taps, saved = self.model.verify(self._tree_spec, self.runner.cache, self._length, self.tap_layers,
+                                                self.gdn_kernel)
+        self._verified = (hidden[0], taps, saved, self.model.logits(hidden[0]))
+
+    def _commit(self, params: SamplingParams) -> None:
+        """Accept along the target's draws, commit the path to the target and drafter caches, advance
+        L / root / h_last, and write the emitted tokens (accepted drafts then the bonus, -1 padded)."""
+        tokens, parents, depths = self._tree_nodes
+        tree, (hidden, taps, saved, logits) = self._tree_spec, self._verified
+        draws = target_draws(logits, params, self._uniforms)
+        acc = accept_tree(tokens, parents, depths, tree.ancestor_mask()[0], draws, self.max_depth)
+        self.model.commit(self.runner.cache, self._length, tree, saved, acc.accepted.view(1, -1), acc.path.view(1, -1))
+        on_path = torch.where(acc.path >= 0, acc.path, acc.last)  # padding repeats the last node: scratch slots
+        self.drafter.append_context([tap[:, on_path] for tap in taps], self._length)
+        count = (acc.path >= 0).sum()
+        after = torch.cat([acc.path[1:], acc.path[:1].new_full((1,), -1)])  # the node after each path node
+        emitted = torch.where(after >= 0, tokens[after.clamp(min=0)], -1)
+        self._emitted.copy_(torch.where(self._steps == count - 1, acc.bonus, emitted))
+        self._h_last.copy_(hidden[acc.last])
+        self._root.copy_(acc.bonus.view(1))
+        self._length.add_(count)

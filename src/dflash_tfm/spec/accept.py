@@ -27,11 +27,17 @@ class Acceptance:
     bonus: torch.Tensor
 
 
-def target_draws(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
-    """One target token per node: logits [N, V] fp32 -> [N] (argmax if greedy, else a sample of p_n)."""
+def target_draws(logits: torch.Tensor, params: SamplingParams, uniforms: torch.Tensor) -> torch.Tensor:
+    """One target token per node: logits [N, V] fp32 -> [N]: the argmax if greedy, else an exact sample of p_n
+    by inversion of its CDF at uniforms[n] (uniforms [>= N] in [0, 1), drawn by the caller from the request's
+    generator, so this function has no RNG of its own and can sit inside a CUDA graph)."""
     if params.greedy:
         return logits.argmax(dim=-1)
-    return torch.multinomial(processed_probs(logits, params), 1, generator=generator).squeeze(-1)
+    cdf = processed_probs(logits, params).cumsum(-1)
+    total = cdf[:, -1:]
+    picked = torch.searchsorted(cdf, uniforms[: cdf.shape[0], None] * total, right=True)  # first cdf > u·total
+    last_positive = (cdf < total).sum(-1, keepdim=True)  # where the CDF reaches its total: p > 0 there
+    return torch.minimum(picked, last_positive).squeeze(-1)
 
 
 def accept_tree(

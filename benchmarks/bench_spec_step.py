@@ -1,0 +1,114 @@
+"""The engine's whole speculative step at Qwen3.6-27B scale, phase by phase (GPU script).
+
+Target: the 27B-shaped random-BF16 model; drafter: the 1.73B Qwen3.6-27B-DFlash shape (5 layers, block 16);
+Weaver: the published shape (variant 1, d_rank 2048, 16 heads, mlp 2048, pool 512). All random, so almost
+nothing is accepted: this measures time per step, not τ (tokens per step come from trained models; see
+docs/TRAINING.md). For each algorithm, `SpeculativeDecoder.step` runs exactly as `Engine.generate` calls it
+(each phase one CUDA-graph replay, one host read per step) after a 1024-token prefill; per-phase times come
+from the decoder's own CUDA events, the whole step from the host clock. Medians over --steps steps after
+warm-up, next to the AR decode step at the same context.
+
+    python -m benchmarks.bench_spec_step --out $OUT/spec_step.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks.bench_dflash_draft import QWEN3_6_27B_DFLASH
+from benchmarks.timing import time_ms
+from dflash_tfm.config import ModelConfig
+from dflash_tfm.engine.decoder_factory import _proposer
+from dflash_tfm.engine.model_runner import ModelRunner
+from dflash_tfm.engine.speculative import SpeculativeDecoder
+from dflash_tfm.loading.loader import build_model
+from dflash_tfm.models.presets import QWEN3_6_27B
+from dflash_tfm.models.random_init import init_random_
+from dflash_tfm.sampling_params import SamplingParams
+from dflash_tfm.spec.dflash import DFlashDrafter
+from dflash_tfm.spec.dflash_config import DFlashConfig
+from dflash_tfm.spec.weaver_fixtures import write_random_weaver_checkpoint
+
+PHASES = ("draft", "tree", "verify", "commit")
+
+
+def measure(decoder: SpeculativeDecoder, prompt: list[int], params: SamplingParams, warmup: int, steps: int) -> dict:
+    decoder.prefill(prompt, params, None)
+    for _ in range(warmup):  # captures every phase's graph
+        decoder.step(params, None)
+    decoder.phase_seconds()
+    rows, walls, tokens = [], [], 0
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        tokens += len(decoder.step(params, None))
+        walls.append((time.perf_counter() - t0) * 1e3)
+        rows.append({k: v * 1e3 for k, v in decoder.phase_seconds().items()})
+    out = {p: statistics.median(r[p] for r in rows) for p in PHASES}
+    out["step_ms"] = statistics.median(walls)
+    out["tokens_per_step"] = tokens / steps
+    return out
+
+
+@torch.inference_mode()
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--budgets", type=int, nargs="+", default=[64])
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    device, dtype = torch.device("cuda"), torch.bfloat16
+    cfg = ModelConfig.from_dict(QWEN3_6_27B)
+    max_len = args.context + 2 * args.steps * 16 + 256
+    model = init_random_(build_model(cfg, device, dtype, max_positions=max_len + 64))
+    runner = ModelRunner(model, max_len=max_len, device=device)
+    drafter = init_random_(DFlashDrafter(DFlashConfig.from_dict(QWEN3_6_27B_DFLASH), model, max_len=max_len + 64))
+    block = drafter.config.block_size
+    prompt = torch.randint(0, cfg.vocab_size, (args.context,)).tolist()
+    greedy = SamplingParams(temperature=0.0)
+
+    runner.reset()
+    runner.prefill(torch.tensor(prompt))
+    token = torch.tensor([7], device=device)
+    runner.decode(token, args.context)
+    ar_ms = time_ms(lambda: runner.decode(token, args.context), 50)
+    print(f"AR decode step at context {args.context}: {ar_ms:.2f} ms", flush=True)
+
+    results = {"context": args.context, "ar_step_ms": ar_ms, "modes": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        weaver_path = Path(tmp) / "weaver.pth"
+        write_random_weaver_checkpoint(weaver_path, cfg, variant=1, d_rank=2048, num_heads=16, mlp_dim=2048,
+                                       num_layers=1, K=block - 1, pool=512)
+        modes = [("DFLASH", 1)] + [(a, b) for b in args.budgets for a in ("DDTREE", "DFLASH_TFM")]
+        for algo, budget in modes:
+            proposer = _proposer(algo, runner, cfg, weaver_path, budget, block)
+            decoder = SpeculativeDecoder(runner, drafter, proposer)
+            name = algo if algo == "DFLASH" else f"{algo} {budget}"
+            r = measure(decoder, prompt, greedy, args.warmup, args.steps)
+            r["nodes"] = proposer.num_nodes
+            results["modes"][name] = r
+            print(name, {k: round(v, 3) for k, v in r.items()}, flush=True)
+            del decoder
+            torch.cuda.empty_cache()
+
+    print(f"\n{torch.cuda.get_device_name()}, context {args.context}, AR step {ar_ms:.2f} ms; median of {args.steps} steps")
+    print("| mode | nodes | draft ms | tree ms | verify ms | commit ms | step ms (host) | (draft+tree+commit)/verify |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name, r in results["modes"].items():
+        extra = (r["draft"] + r["tree"] + r["commit"]) / r["verify"]
+        print(f"| {name} | {r['nodes']} | {r['draft']:.2f} | {r['tree']:.2f} | {r['verify']:.2f} | {r['commit']:.2f} "
+              f"| {r['step_ms']:.2f} | {100 * extra:.0f}% |")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
