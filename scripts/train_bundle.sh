@@ -3,9 +3,10 @@
 # docs/TRAINING.md explains the pipeline; this script runs it in phases so each fits one device call, with the
 # work directory $WORK kept on the (warm) machine between calls and everything worth keeping copied to $OUT.
 #
-#   PHASES="stage"        copy .stage/smol/part_aa to /tmp/smol   (call 1; carry .stage/smol/part_aa)
-#   PHASES="gen dflash"   join the GGUF, generate data, train the drafter (call 2, right after; carry .whl,
-#                         .stage/smol/part_ab, .stage/prompts.jsonl, .stage/datasets)
+#   PHASES="stage"        copy the carried GGUF parts .stage/smol/part_* to /tmp/smol (one call per part that
+#                         does not fit beside the others: a call carries at most 64 MiB with the tree)
+#   PHASES="gen dflash"   join the GGUF, generate data, train the drafter (right after; carry .whl, the last
+#                         part, .stage/prompts.jsonl, .stage/datasets)
 #   PHASES="weaver tau"   train Weaver, measure τ (call 3, right after; same carry minus the GGUF part)
 # Sizes come from the environment (defaults = the committed bundle's run); DEVICE=cpu runs it small here.
 # DFLASH_INIT / WEAVER_INIT continue training from a saved drafter directory / Weaver file (e.g. the
@@ -56,14 +57,17 @@ t0=$SECONDS
 say() { echo "[$((SECONDS - t0)) s] $*" | tee -a "$OUT/train_bundle.txt"; }
 
 if [[ $PHASES == *stage* ]]; then
-  mkdir -p /tmp/smol && cp .stage/smol/part_aa /tmp/smol/ && say "staged part_aa"
+  mkdir -p /tmp/smol && cp .stage/smol/part_* /tmp/smol/ && say "staged $(ls .stage/smol)"
 fi
+join_gguf() {  # the parts staged by earlier calls plus any carried now, in name order
+  [ -f "$GGUF" ] && return 0
+  mkdir -p /tmp/smol && cp .stage/smol/part_* /tmp/smol/ 2>/dev/null
+  cat /tmp/smol/part_* > "$GGUF.tmp" && mv "$GGUF.tmp" "$GGUF" || { say "cannot join the GGUF"; exit 1; }
+  sha256sum "$GGUF" | tee -a "$OUT/train_bundle.txt"
+}
 
 if [[ $PHASES == *gen* ]]; then
-  if [ ! -f "$GGUF" ]; then
-    cat /tmp/smol/part_aa .stage/smol/part_ab > "$GGUF.tmp" && mv "$GGUF.tmp" "$GGUF" || { say "cannot join the GGUF"; exit 1; }
-  fi
-  sha256sum "$GGUF" | tee -a "$OUT/train_bundle.txt"
+  join_gguf
   $PY -c "from dflash_tfm.loading.gguf_file import load_gguf_tokenizer as t; t('$GGUF')"  # convert once, cached
   say "gen: $GEN_PROCS shards, $GEN_BATCH sequences each, at most ${GEN_SECONDS} s"
   for i in $(seq 0 $((GEN_PROCS - 1))); do
@@ -93,7 +97,7 @@ fi
 if [[ $PHASES == *weaver* ]]; then
   [ -d "$WORK/data" ] && ls "$WORK"/data/d*.jsonl >/dev/null 2>&1 || cp .stage/data/d*.jsonl "$WORK/data/"
   [ -f "$WORK/bundle/dflash/config.json" ] || cp -r .stage/bundle/dflash "$WORK/bundle/"
-  [ -f "$GGUF" ] || { say "no GGUF at $GGUF (the machine went cold: stage it again)"; exit 1; }
+  join_gguf
   $PY -m dflash_tfm.train.weaver_trainer --model-path "$GGUF" --draft-model-path "$WORK/bundle/dflash" \
     --data "$WORK"/data/d*.jsonl --out "$WORK/bundle/weaver.pth" --steps "$WEAVER_STEPS" --batch-size 32 \
     --positions-per-row 4 --lr 1e-3 --schedule wsd --d-rank 384 --num-heads 6 --mlp-dim 1024 --pool-size 512 \
@@ -106,6 +110,8 @@ fi
 if [[ $PHASES == *tau* ]]; then
   # One process per dataset, 4 threads each: 32 processes (one per cell) spent the whole 240 s loading weights
   # on 16 cores. Temperatures and budgets run in sequence inside a process; every finished cell is written.
+  join_gguf
+  [ -d "$WORK/bundle/dflash" ] || cp -r "${TAU_BUNDLE:-src/dflash_tfm/assets/smollm2_bundle}/." "$WORK/bundle/"
   say "tau: datasets ($TAU_DATASETS), temperatures ($TAU_TEMPS), budgets ($TAU_BUDGETS), at most ${TAU_SECONDS} s"
   mkdir -p "$OUT/tau"
   for ds in $TAU_DATASETS; do

@@ -21,7 +21,8 @@ TARGETS = {
                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}),
     "dense": dict(TINY, model_type="qwen3", num_hidden_layers=3, rope_theta=10000.0),
 }
-TOLERANCE = {torch.float32: 2e-3, torch.bfloat16: 5e-2}
+# fp32: fla-core's chunk prefill (the reference and every prefill here) runs its dots in TF32 (~1e-3 per layer).
+TOLERANCE = {torch.float32: 4e-3, torch.bfloat16: 5e-2}
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -138,6 +138,6 @@ class SpeculativeDecoder:
         after = torch.cat([acc.path[1:], acc.path[:1].new_full((1,), -1)])  # the node after each path node
         emitted = torch.where(after >= 0, tokens[after.clamp(min=0)], -1)
         self._emitted.copy_(torch.where(self._steps == count - 1, acc.bonus, emitted))
-        self._h_last.copy_(hidden[acc.last])
+        self._h_last.copy_(hidden.index_select(0, acc.last.view(1))[0])
         self._root.copy_(acc.bonus.view(1))
         self._length.add_(count)

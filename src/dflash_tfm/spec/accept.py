@@ -57,4 +57,5 @@ def accept_tree(
     slot = torch.where(accepted, depths, torch.full_like(depths, max_depth + 1))
     path = torch.full((max_depth + 2,), -1, dtype=torch.long, device=tokens.device)
     path.scatter_(0, slot, torch.arange(N, device=tokens.device))
-    return Acceptance(accepted=accepted, path=path[: max_depth + 1], last=last, bonus=draws[last])
+    bonus = draws.index_select(0, last.view(1))[0]  # (indexing with a 0-dim tensor would sync the host)
+    return Acceptance(accepted=accepted, path=path[: max_depth + 1], last=last, bonus=bonus)

@@ -5,19 +5,20 @@ Per decode step (MODELS.md "Weaver", tree growth of the original): the candidate
 its depth-(d + 1) pool with ``dflash_logit + W_res · out_norm(x_node)``, log-softmaxes over the pool and
 publishes its top ``children_per_node`` children to a frontier with score = parent score + child log-prob.
 Every round takes the W = ceil(budget / 16) best frontier entries, writes them as tree nodes and expands them
-together in ONE batched Weaver step, until budget + 1 nodes.
+together in ONE batched Weaver step (`expand_nodes`), until budget + 1 nodes.
 
 Static layout (as in the original's frontier kernels): the frontier has ``children_per_node`` entries per node
-slot, entry ``slot · c + r`` = the r-th child of node ``slot``; a round picks entries by a stable descending sort,
-so equal scores go to the lowest entry index. Nodes at depth K publish nothing (−inf); the last round's nodes
-are not expanded. Everything is a fixed sequence of tensor ops on static shapes (the number of rounds and their
+slot, entry ``slot · c + r`` = the r-th child of node ``slot``; a round picks the best entries by ``topk``
+(exactly equal scores may come in either order; continuous logits have none). Nodes at depth K publish nothing
+(−inf); the last round's nodes are not expanded. Everything is a fixed sequence of tensor ops on static shapes (the number of rounds and their
 widths depend on ``budget`` only): no host sync, CUDA-graph capturable.
 """
 from __future__ import annotations
 
 import torch
 
-from dflash_tfm.spec.weaver import Weaver
+from dflash_tfm.layers.compile import fuse_on_cuda
+from dflash_tfm.spec.weaver import Weaver, WeaverCache
 
 ROUND_UNIT = 16  # nodes per batched Weaver step = ceil(budget / 16)
 LOGPROB_FLOOR = -1e30  # keeps real children finite, so only consumed/impossible entries are −inf
@@ -49,6 +50,25 @@ def check_fillable(budget: int, width: int, children: int, max_depth: int) -> No
             raise ValueError(f"a tree of {budget + 1} nodes with {children} children per node and depth "
                              f"<= {max_depth} cannot always be filled {width} nodes per round")
         n += w
+
+
+@fuse_on_cuda
+def expand_nodes(
+    nodes: torch.Tensor, weaver: Weaver, cache: WeaverCache, tokens: torch.Tensor, depths: torch.Tensor,
+    ancestors: torch.Tensor, scores: torch.Tensor, pool_ids: torch.Tensor, pool_logits: torch.Tensor, children: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One batched Weaver step over node slots ``nodes`` [W]; returns each node's top-``children`` children as
+    (path scores [W, c], tokens [W, c]); nodes at depth K publish −inf. One function, so on CUDA inductor fuses
+    the step's norms, RoPE, softmax and scoring into a few kernels (a round is launch-bound: W ≤ 8 rows)."""
+    K = pool_ids.shape[0]
+    depth = depths[nodes]
+    query = weaver.step(cache, nodes, tokens[nodes], depth, ancestors[nodes])
+    row = depth.clamp(max=K - 1)
+    ids = pool_ids[row]
+    logp = weaver.child_logits(query, ids, pool_logits[row]).log_softmax(-1).clamp(min=LOGPROB_FLOOR)
+    top, pick = logp.topk(children, dim=-1)
+    child_score = (scores[nodes, None] + top).masked_fill((depth >= K)[:, None], float("-inf"))
+    return child_score, ids.gather(1, pick)
 
 
 @torch.no_grad()
@@ -88,16 +108,8 @@ def build_weaver_tree(
     ancestors[:1, :1].fill_(True)  # (a Python-scalar setitem would copy from the host: not capturable)
 
     def expand(nodes: slice) -> None:
-        """One batched Weaver step over node slots ``nodes``; publish each node's top-c children."""
-        depth = depths[nodes]
-        query = weaver.step(cache, slot_ids[nodes], tokens[nodes], depth, ancestors[nodes])
-        row = depth.clamp(max=K - 1)
-        ids = pool_ids[row]
-        logp = weaver.child_logits(query, ids, pool_logits[row]).log_softmax(-1).clamp(min=LOGPROB_FLOOR)
-        top, pick = logp.topk(c, dim=-1)
-        child_score = (scores[nodes, None] + top).masked_fill((depth >= K)[:, None], float("-inf"))
-        frontier_score[nodes] = child_score
-        frontier_token[nodes] = ids.gather(1, pick)
+        frontier_score[nodes], frontier_token[nodes] = expand_nodes(
+            slot_ids[nodes], weaver, cache, tokens, depths, ancestors, scores, pool_ids, pool_logits, c)
 
     expand(slice(0, 1))
     flat_score, flat_token = frontier_score.view(-1), frontier_token.view(-1)
@@ -105,7 +117,7 @@ def build_weaver_tree(
     while filled < n:  # rounds and widths depend on `budget` only
         w = min(width, n - filled)
         nodes = slice(filled, filled + w)
-        entry = torch.sort(flat_score, descending=True, stable=True).indices[:w]
+        entry = flat_score.topk(w).indices  # best first; check_fillable guarantees w live (finite) entries
         parent = entry // c
         tokens[nodes], parents[nodes], scores[nodes] = flat_token[entry], parent, flat_score[entry]
         depths[nodes] = depths[parent] + 1
