@@ -1,12 +1,14 @@
-"""Where the time of one autoregressive decode step goes (GPU script): kernels per step and CUDA time per
-kernel name, from torch.profiler over eager steps of the Qwen3.6-27B-shaped random-weight target.
+"""Where the time of one target step goes (GPU script): kernels per step and CUDA time per kernel name, from
+torch.profiler over eager steps of the Qwen3.6-27B-shaped random-weight target — the autoregressive decode
+step, or with --verify-nodes N the verify forward over an N-node best-first tree plus its commit.
 
-    python benchmarks/profile_decode_step.py [--layers 64] [--top 25]
+    python benchmarks/profile_decode_step.py [--layers 64] [--top 25] [--verify-nodes 65]
 """
 from __future__ import annotations
 
 import argparse
 from collections import defaultdict
+from typing import Callable
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -16,6 +18,32 @@ from dflash_tfm.engine.model_runner import ModelRunner
 from dflash_tfm.loading.loader import build_model
 from dflash_tfm.models.presets import QWEN3_6_27B
 from dflash_tfm.models.random_init import init_random_
+from dflash_tfm.spec.tree import TreeSpec, random_parents
+
+
+def verify_and_commit(model, runner: ModelRunner, nodes: int, context: int) -> Callable[[], None]:
+    """One verify (+ logits) and the commit of a depth-5 path, on a tree below a `context`-token prefix. Every
+    call commits the same path at the same length again (the states drift; the kernels and shapes do not)."""
+    device = runner.device
+    runner.prefill(torch.randint(0, model.config.vocab_size, (context,), device=device))
+    parents = random_parents(nodes, "best_first", seed=nodes, max_depth=15).to(device)
+    tokens = torch.randint(0, model.config.vocab_size, (nodes,), device=device)
+    length = torch.tensor([context], device=device)
+    tree = TreeSpec.build(tokens.view(1, -1), parents.view(1, -1), cache_len=length)
+    path = [0]
+    while len(path) < 6 and (parents == path[-1]).any():
+        path.append(int((parents == path[-1]).nonzero()[0]))
+    accepted = torch.zeros(1, nodes, dtype=torch.bool, device=device)
+    accepted[0, path] = True
+    path_idx = torch.full((1, 16), -1, dtype=torch.long, device=device)
+    path_idx[0, : len(path)] = torch.tensor(path, device=device)
+
+    def step() -> None:
+        hidden, _, saved = model.verify(tree, runner.cache, length)
+        model.logits(hidden[0]).argmax(-1)
+        model.commit(runner.cache, length, tree, saved, accepted, path_idx)
+
+    return step
 
 
 def main() -> None:
@@ -23,18 +51,28 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=64)
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--verify-nodes", type=int, default=0, help="profile verify + commit of this many nodes")
     args = ap.parse_args()
     cfg = ModelConfig.from_dict({**QWEN3_6_27B, "num_hidden_layers": args.layers})
     model = init_random_(build_model(cfg, torch.device("cuda"), torch.bfloat16, max_positions=4096))
     runner = ModelRunner(model, max_len=2048, device=torch.device("cuda"), use_cuda_graph=False)
-    token = torch.tensor([11], device="cuda")
-    for pos in range(3):  # compile + warm up
-        runner.decode(token, pos)
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for pos in range(3, 3 + args.steps):
-            runner.decode(token, pos)
+    if args.verify_nodes:
+        with torch.inference_mode():
+            step = verify_and_commit(model, runner, args.verify_nodes, 1024)
+    else:
+        token = torch.tensor([11], device="cuda")
+        positions = iter(range(10**6))
+
+        def step() -> None:
+            runner.decode(token, next(positions))
+    with torch.inference_mode():
+        for _ in range(3):  # compile + warm up
+            step()
         torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(args.steps):
+                step()
+            torch.cuda.synchronize()
     per_name: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
     for evt in prof.events():
         if evt.device_type == torch.autograd.DeviceType.CUDA:
@@ -43,7 +81,8 @@ def main() -> None:
     steps = args.steps
     total_n = sum(v[0] for v in per_name.values()) / steps
     total_us = sum(v[1] for v in per_name.values()) / steps
-    print(f"{args.layers} layers: {total_n:.0f} kernels per step, {total_us / 1e3:.2f} ms of kernel time per step")
+    what = f"verify + commit of {args.verify_nodes} nodes" if args.verify_nodes else "decode step"
+    print(f"{args.layers} layers, {what}: {total_n:.0f} kernels per step, {total_us / 1e3:.2f} ms of kernel time per step")
     gemv = sum(v[1] for k, v in per_name.items() if "gemv" in k.lower() or "gemm" in k.lower() or "sm90" in k) / steps
     print(f"  of which GEMV/GEMM kernels: {gemv / 1e3:.2f} ms")
     print("| kernel | per step | us per step |")

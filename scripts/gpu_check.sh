@@ -2,12 +2,12 @@
 # Everything that needs the GPU, in one call on the device machine (H200): GPU tests at real sizes, then
 # the benchmarks. Logs and JSON land in $OUT (default ./out); a short table is printed last.
 #   device run:  bash scripts/gpu_check.sh            (carry: .whl with fla-core and gguf wheels)
-# Set GPU_CHECK_PARTS to a subset of "tests kernels tree ar verify draft spec" to run only those parts, GPU_TESTS to
+# Set GPU_CHECK_PARTS to a subset of "tests kernels tree ar verify draft spec profile" to run only those parts, GPU_TESTS to
 # test paths.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}; mkdir -p "$OUT"
-PARTS=${GPU_CHECK_PARTS:-"tests kernels tree ar verify draft spec"}
+PARTS=${GPU_CHECK_PARTS:-"tests kernels tree ar verify draft spec profile"}
 export PYTHONUNBUFFERED=1
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -36,5 +36,7 @@ run() {  # name, command...
 [[ $PARTS == *draft* ]] && run bench_dflash_draft python3 -m benchmarks.bench_dflash_draft
 [[ $PARTS == *spec* ]] && run bench_spec_step python3 -m benchmarks.bench_spec_step --out "$OUT/spec_step.json"
 [[ $PARTS == *spec* ]] && run bench_tree_build python3 -m benchmarks.bench_tree_build
+[[ $PARTS == *profile* ]] && run profile_decode python3 -m benchmarks.profile_decode_step
+[[ $PARTS == *profile* ]] && run profile_verify python3 -m benchmarks.profile_decode_step --verify-nodes 65
 echo; cat "$OUT/summary.txt"
 exit $status

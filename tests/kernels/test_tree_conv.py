@@ -113,3 +113,16 @@ def test_gpu_matches_twin_27b_shapes() -> None:
     assert rel_err(y, tree_causal_conv1d_reference(x, w, parents, win)) <= 1e-2
     acc = accepted_mask(parents.cpu(), [64]).cuda()
     assert torch.equal(tree_conv_commit(x, parents, acc, win), tree_conv_commit_reference(x, parents, acc, win))
+
+
+def test_triton_commit_in_place_equals_a_new_window(triton_device: str) -> None:
+    """out = the window itself: every program loads its three inputs before storing, so the result is the same
+    (paths shorter than the window read old window slots that the store overwrites)."""
+    (x, w, win), parents = make_case(2, 9, 24, "binary", triton_device)
+    parents = parents.to(triton_device)
+    for nodes in ([0], [0, 1], [0, 2, 5]):
+        acc = accepted_mask(parents.cpu(), [nodes[-1]]).to(triton_device)  # row 1: nothing accepted
+        expect = tree_conv_commit(x, parents, acc, win)
+        window = win.clone()
+        assert tree_conv_commit(x, parents, acc, window, out=window) is window
+        assert torch.equal(window, expect), nodes

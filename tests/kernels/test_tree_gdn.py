@@ -278,3 +278,16 @@ def test_gpu_cuda_graph_replay(options: dict) -> None:
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(o, o_eager) and torch.equal(S, S_eager)
+
+
+@pytest.mark.parametrize("kernel", ["chunk", "recurrent"])
+def test_triton_commit_in_place_equals_a_new_state(kernel: str, triton_device: str) -> None:
+    """out = the initial state itself (what the model's commit does): the same state as a fresh output."""
+    x = make_inputs(1, 20, 1, 3, 16, 16, seed=5, device=triton_device)
+    parents = trees(1, 20, "best_first").to(triton_device)
+    _, ctx = gdn_tree_verify(**x, parents=parents, kernel=kernel)
+    acc = accepted_mask(parents.cpu(), [19]).to(triton_device)
+    expect = gdn_tree_commit(ctx, acc)
+    state = ctx.initial_state
+    assert gdn_tree_commit(ctx, acc, out=state) is state
+    assert torch.equal(state, expect)

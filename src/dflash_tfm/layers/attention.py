@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash_tfm.config import ModelConfig
-from dflash_tfm.kernels.attention.tree_attention import compact_accepted_kv, tree_attention
+from dflash_tfm.kernels.attention.tree_attention import AcceptedSlots, tree_attention, write_accepted_kv
 from dflash_tfm.layers.compile import fuse_on_cuda
 from dflash_tfm.layers.norm import RMSNorm, rms_norm
 from dflash_tfm.layers.rotary import RotaryEmbedding, apply_rotary
@@ -96,12 +96,11 @@ class Attention(nn.Module):
 
     @staticmethod
     def commit(
-        k_cache: torch.Tensor, v_cache: torch.Tensor, cache_len: int, saved: tuple[torch.Tensor, torch.Tensor],
-        path_indices: torch.Tensor,
+        k_cache: torch.Tensor, v_cache: torch.Tensor, saved: tuple[torch.Tensor, torch.Tensor], slots: AcceptedSlots,
     ) -> None:
-        """Write the accepted path's K/V (root first, -1 padded) into cache slots L .. L+a."""
+        """Write the accepted path's K/V into cache slots L .. L+a (`slots`: computed once per model commit)."""
         k, v = saved
-        compact_accepted_kv(k_cache, v_cache, cache_len, k, v, path_indices)
+        write_accepted_kv(k_cache, v_cache, k, v, slots)
 
 
 @fuse_on_cuda

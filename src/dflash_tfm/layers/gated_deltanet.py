@@ -129,6 +129,5 @@ class GatedDeltaNet(nn.Module):
     ) -> None:
         """Advance state and conv window along the accepted path only (accepted [B, N] bool, root included)."""
         mixed, ctx = saved
-        new_window = tree_conv_commit(mixed, parents, accepted, conv_window)
-        state.copy_(gdn_tree_commit(ctx, accepted))
-        conv_window.copy_(new_window)
+        tree_conv_commit(mixed, parents, accepted, conv_window, out=conv_window)  # both in place: no copies
+        gdn_tree_commit(ctx, accepted, out=state)

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash_tfm.config import FULL_ATTENTION, ModelConfig
+from dflash_tfm.kernels.attention.tree_attention import accepted_slots
 from dflash_tfm.layers.attention import Attention
 from dflash_tfm.layers.gated_deltanet import GatedDeltaNet
 from dflash_tfm.layers.mlp import SwiGLU
@@ -122,10 +123,11 @@ class CausalLM(nn.Module):
         """Commit the accepted root->node path of the last `verify`: accepted [B, N] bool (root included),
         path_indices [B, M] the same nodes in order, -1 padded. Afterwards the caches hold the prefix plus
         the path at positions cache_len .. cache_len + a, as if the path had been decoded token by token."""
+        slots = accepted_slots(cache_len, path_indices, tree.parents.shape[0], path_indices.device)
         for i, layer in enumerate(self.layers):
             if layer.is_attention:
                 k_cache, v_cache = cache.attention[i]
-                layer.mixer.commit(k_cache, v_cache, cache_len, saved[i], path_indices)
+                layer.mixer.commit(k_cache, v_cache, saved[i], slots)
             else:
                 state, window = cache.gdn[i]
                 layer.mixer.commit(state, window, saved[i], tree.parents, accepted)

@@ -107,24 +107,36 @@ def build_weaver_tree(
     tokens[:1] = root_token.reshape(1)
     ancestors[:1, :1].fill_(True)  # (a Python-scalar setitem would copy from the host: not capturable)
 
-    def expand(nodes: slice) -> None:
+    def expand(nodes: torch.Tensor) -> None:
         frontier_score[nodes], frontier_token[nodes] = expand_nodes(
-            slot_ids[nodes], weaver, cache, tokens, depths, ancestors, scores, pool_ids, pool_logits, c)
+            nodes, weaver, cache, tokens, depths, ancestors, scores, pool_ids, pool_logits, c)
 
-    expand(slice(0, 1))
+    expand(slot_ids[:1])
     flat_score, flat_token = frontier_score.view(-1), frontier_token.view(-1)
     filled = 1
     while filled < n:  # rounds and widths depend on `budget` only
         w = min(width, n - filled)
-        nodes = slice(filled, filled + w)
-        entry = flat_score.topk(w).indices  # best first; check_fillable guarantees w live (finite) entries
-        parent = entry // c
-        tokens[nodes], parents[nodes], scores[nodes] = flat_token[entry], parent, flat_score[entry]
-        depths[nodes] = depths[parent] + 1
-        ancestors[nodes] = ancestors[parent]
-        ancestors[nodes].diagonal(filled).fill_(True)
-        flat_score.index_fill_(0, entry, float("-inf"))
+        nodes = slot_ids[filled : filled + w]
+        place_nodes(nodes, flat_score, flat_token, tokens, parents, depths, scores, ancestors, c)
         if filled + w < n:
             expand(nodes)
         filled += w
     return tokens, parents, depths
+
+
+@fuse_on_cuda
+def place_nodes(
+    nodes: torch.Tensor, flat_score: torch.Tensor, flat_token: torch.Tensor, tokens: torch.Tensor,
+    parents: torch.Tensor, depths: torch.Tensor, scores: torch.Tensor, ancestors: torch.Tensor, children: int,
+) -> None:
+    """Write the best W = len(nodes) frontier entries as tree nodes into slots ``nodes`` (in place) and
+    consume them; check_fillable guarantees W live (finite) entries. One function, fused on CUDA."""
+    entry = flat_score.topk(nodes.shape[0]).indices  # best first
+    parent = entry // children
+    tokens[nodes] = flat_token[entry]
+    parents[nodes] = parent
+    scores[nodes] = flat_score[entry]
+    depths[nodes] = depths[parent] + 1
+    itself = torch.arange(ancestors.shape[1], device=nodes.device) == nodes[:, None]
+    ancestors[nodes] = ancestors[parent] | itself  # (no Python-scalar setitem: that copies from the host)
+    flat_score.index_fill_(0, entry, float("-inf"))

@@ -9,6 +9,7 @@ the partial outputs and log-sum-exps are merged by a second small kernel. Shapes
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -144,25 +145,43 @@ def tree_attention(
     return o
 
 
+@dataclass
+class AcceptedSlots:
+    """Where a committed path's K/V go, shared by every attention layer of one commit: row ``rows[b, t]``,
+    cache slot ``dst[b, t] = L + t`` receives tree node ``src[b, t]``; ``lengths`` = L + a + 1 per row."""
+
+    rows: torch.Tensor
+    dst: torch.Tensor
+    src: torch.Tensor
+    lengths: torch.Tensor
+
+
+def accepted_slots(cache_len: int | torch.Tensor, path_indices: torch.Tensor, batch: int, device: torch.device) -> AcceptedSlots:
+    """path_indices ``[B, M]`` (or ``[M]``): the accepted path's node indices in order, root (0) first, padded
+    with −1. Padding repeats the row's last valid (slot, node) pair, so every write is well defined (duplicates
+    write identical values) and nothing syncs the host."""
+    path = path_indices.long().to(device).reshape(batch, -1)
+    L = cache_lengths(cache_len, batch, device)
+    count = (path >= 0).sum(-1, keepdim=True)                                   # a + 1, ≥ 1 (the root)
+    t = torch.minimum(torch.arange(path.shape[1], device=device), count - 1)     # [B, M]
+    rows = torch.arange(batch, device=device)[:, None].expand_as(t)
+    return AcceptedSlots(rows=rows, dst=L[:, None] + t, src=path.gather(1, t), lengths=L + count[:, 0])
+
+
+def write_accepted_kv(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, k_tree: torch.Tensor, v_tree: torch.Tensor, slots: AcceptedSlots,
+) -> None:
+    """Move the accepted nodes' K/V (``[B, N, Hkv, D]``) into cache slots ``L … L+a`` (``[B, S, Hkv, D]``) in place."""
+    k_cache[slots.rows, slots.dst] = k_tree[slots.rows, slots.src]
+    v_cache[slots.rows, slots.dst] = v_tree[slots.rows, slots.src]
+
+
 def compact_accepted_kv(
     k_cache: torch.Tensor, v_cache: torch.Tensor, cache_len: int | torch.Tensor,
     k_tree: torch.Tensor, v_tree: torch.Tensor, path_indices: torch.Tensor,
 ) -> torch.Tensor:
-    """Move the root's and accepted nodes' K/V into cache slots ``L … L+a`` in place; return the new lengths.
-
-    path_indices ``[B, M]`` (or ``[M]``) node indices of the accepted path in order, root (0) first, padded
-    with −1 after each row's path. Padding repeats the row's last valid (slot, node) pair, so every write
-    is well defined (duplicates write identical values) and nothing syncs the host. k/v_cache
-    ``[B, S, Hkv, D]``, k/v_tree ``[B, N, Hkv, D]``. Returns ``L + a + 1`` as a ``[B]`` long tensor.
-    """
-    B = k_cache.shape[0]
-    path = path_indices.long().to(k_cache.device).reshape(B, -1)
-    L = cache_lengths(cache_len, B, k_cache.device)
-    count = (path >= 0).sum(-1, keepdim=True)                                   # a + 1, ≥ 1 (the root)
-    t = torch.minimum(torch.arange(path.shape[1], device=path.device), count - 1)  # [B, M]
-    src = path.gather(1, t)
-    dst = L[:, None] + t
-    rows = torch.arange(B, device=path.device)[:, None].expand_as(t)
-    k_cache[rows, dst] = k_tree[rows, src]
-    v_cache[rows, dst] = v_tree[rows, src]
-    return L + count[:, 0]
+    """Move the root's and accepted nodes' K/V into cache slots ``L … L+a`` in place; return the new lengths
+    ``L + a + 1`` as a ``[B]`` long tensor (one layer; a model commit computes the slots once for all layers)."""
+    slots = accepted_slots(cache_len, path_indices, k_cache.shape[0], k_cache.device)
+    write_accepted_kv(k_cache, v_cache, k_tree, v_tree, slots)
+    return slots.lengths

@@ -62,17 +62,23 @@ def _tree_conv_commit_kernel(
     N, C, sx_b, sx_n, sw_b, sw_c,
     BC: tl.constexpr, NPOW: tl.constexpr,
 ):
-    """Grid (cdiv(C, BC), B). out: [B, C, 3], slot 2 = the deepest accepted node's input."""
+    """Grid (cdiv(C, BC), B). out: [B, C, 3], slot 2 = the deepest accepted node's input. All three inputs
+    are loaded before any store, so `out` may be `window` itself (each program owns its channels)."""
     b = tl.program_id(1)
     offs_c = tl.program_id(0) * BC + tl.arange(0, BC)
     cm = offs_c < C
     nodes = tl.arange(0, NPOW)
     on_path = tl.load(accepted + b * N + nodes, mask=nodes < N, other=0) != 0
     a = tl.max(tl.where(on_path, nodes, -1), axis=0)  # parents precede children: deepest = largest index
-    for s in tl.static_range(3):  # slot 2, 1, 0
-        val = _input_at(x, window, b, a, offs_c, cm, sx_b, sx_n, sw_b, sw_c)
-        tl.store(out + (b * C + offs_c) * 3 + (2 - s), val.to(out.dtype.element_ty), mask=cm)
-        a = _up(parents, b, N, a)
+    newest = _input_at(x, window, b, a, offs_c, cm, sx_b, sx_n, sw_b, sw_c)
+    a = _up(parents, b, N, a)
+    middle = _input_at(x, window, b, a, offs_c, cm, sx_b, sx_n, sw_b, sw_c)
+    a = _up(parents, b, N, a)
+    oldest = _input_at(x, window, b, a, offs_c, cm, sx_b, sx_n, sw_b, sw_c)
+    row = out + (b * C + offs_c) * 3
+    tl.store(row + 2, newest.to(out.dtype.element_ty), mask=cm)
+    tl.store(row + 1, middle.to(out.dtype.element_ty), mask=cm)
+    tl.store(row, oldest.to(out.dtype.element_ty), mask=cm)
 
 
 def _unit_stride(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -106,19 +112,25 @@ def tree_causal_conv1d(
 
 
 def tree_conv_commit(
-    x: torch.Tensor, parents: torch.Tensor, accepted: torch.Tensor, conv_window: torch.Tensor
+    x: torch.Tensor, parents: torch.Tensor, accepted: torch.Tensor, conv_window: torch.Tensor,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """New conv window ``[B, C, 3]`` (a new tensor, in conv_window's dtype): the last three inputs along
-    the accepted path ``accepted [B, N]`` (bool, root included), falling back into the old window."""
+    """New conv window ``[B, C, 3]`` (in conv_window's dtype): the last three inputs along the accepted path
+    ``accepted [B, N]`` (bool, root included), falling back into the old window. ``out`` (contiguous, may be
+    ``conv_window`` itself: the commit then happens in place) receives it; by default a new tensor."""
     B, N, C = check_tree_conv_inputs(x, parents, conv_window)
     if not use_triton(x):
-        return tree_conv_commit_reference(x, parents, accepted, conv_window)
-    x, conv_window, parents = _unit_stride(x, conv_window, parents.contiguous())
+        window = tree_conv_commit_reference(x, parents, accepted, conv_window)
+        return window if out is None else out.copy_(window)
+    if out is not None and (not out.is_contiguous() or out.shape != conv_window.shape):
+        raise ValueError(f"out must be a contiguous {tuple(conv_window.shape)} tensor")
+    x, parents = _unit_stride(x, parents.contiguous())
+    window = conv_window if conv_window.stride(-1) == 1 or out is conv_window else conv_window.contiguous()
     acc = accepted.contiguous()
     acc = acc.view(torch.uint8) if acc.dtype == torch.bool else acc.to(torch.uint8)
-    out = torch.empty(B, C, WIDTH - 1, dtype=conv_window.dtype, device=x.device)
+    out = torch.empty(B, C, WIDTH - 1, dtype=conv_window.dtype, device=x.device) if out is None else out
     BC = min(1024, triton.next_power_of_2(C))
     _tree_conv_commit_kernel[(triton.cdiv(C, BC), B)](
-        x, parents, acc, conv_window, out, N, C, *x.stride()[:2], *conv_window.stride()[:2],
+        x, parents, acc, window, out, N, C, *x.stride()[:2], *window.stride()[:2],
         BC=BC, NPOW=triton.next_power_of_2(N))
     return out

@@ -53,22 +53,27 @@ def _gdn_tree_fold_kernel(
     tl.store(out + ((b * HV + hv) * DK + offs_k[:, None]) * DV + offs_v[None, :], S, mask=tm)
 
 
-def gdn_tree_commit(ctx: GDNTreeContext, accepted: torch.Tensor) -> torch.Tensor:
+def gdn_tree_commit(ctx: GDNTreeContext, accepted: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """New fp32 state ``[B, HV, dk, dv]`` after decoding the accepted root→node path.
 
     ``ctx`` from :func:`gdn_tree_verify`; ``accepted [B, N]`` bool marks the path's nodes (root included).
-    Nothing accepted gives a copy of the initial state, which is never modified. No host sync.
+    Nothing accepted gives the initial state. ``out`` (contiguous fp32) receives the state and may be
+    ``ctx.initial_state`` itself — each program reads its tile of S0 before writing that tile, so the commit
+    then happens in place; by default a new tensor. No host sync.
     """
     S0 = ctx.initial_state
     if ctx.snapshots is not None or not use_triton(S0):
-        return gdn_tree_commit_reference(ctx, accepted)
+        state = gdn_tree_commit_reference(ctx, accepted)
+        return state if out is None else out.copy_(state)
     B, HV, dk, dv = S0.shape
+    if out is not None and (not out.is_contiguous() or out.shape != S0.shape or out.dtype != torch.float32):
+        raise ValueError(f"out must be a contiguous fp32 {tuple(S0.shape)} tensor")
     N, HK = ctx.k.shape[1], ctx.k.shape[2]
     k = ctx.k if ctx.k.stride(-1) == 1 else ctx.k.contiguous()
-    S0 = S0 if S0.stride(-1) == 1 else S0.contiguous()
+    S0 = S0 if S0.stride(-1) == 1 or out is S0 else S0.contiguous()
     acc = accepted.contiguous()
     acc = acc.view(torch.uint8) if acc.dtype == torch.bool else acc.to(torch.uint8)
-    out = torch.empty(B, HV, dk, dv, dtype=torch.float32, device=S0.device)
+    out = torch.empty(B, HV, dk, dv, dtype=torch.float32, device=S0.device) if out is None else out
     BV = min(32, max(16, triton.next_power_of_2(dv)))
     _gdn_tree_fold_kernel[(triton.cdiv(dv, BV), B * HV)](
         k, ctx.u, ctx.G, acc, S0, out, N, HK, HV // HK, *k.stride()[:3], *S0.stride()[:3],
