@@ -19,6 +19,7 @@ import torch
 
 from benchmarks.bench_ar_decode import copy_bandwidth
 from benchmarks.timing import time_ms
+from dflash_tfm.layers.linear import skinny_projections
 from dflash_tfm.models.presets import QWEN3_6_27B
 from dflash_tfm.models.random_init import init_random_
 from dflash_tfm.spec.dflash import DFlashDrafter
@@ -57,6 +58,7 @@ def capture(drafter: DFlashDrafter, root: torch.Tensor, pos: torch.Tensor, kv_le
 
 
 @torch.inference_mode()
+@skinny_projections()
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096])

@@ -27,6 +27,7 @@ from dflash_tfm.config import ModelConfig
 from dflash_tfm.engine.decoder_factory import _proposer
 from dflash_tfm.engine.model_runner import ModelRunner
 from dflash_tfm.engine.speculative import SpeculativeDecoder
+from dflash_tfm.layers.linear import chosen_kernels
 from dflash_tfm.loading.loader import build_model
 from dflash_tfm.models.presets import QWEN3_6_27B
 from dflash_tfm.models.random_init import init_random_
@@ -105,6 +106,8 @@ def main() -> None:
         extra = (r["draft"] + r["tree"] + r["commit"]) / r["verify"]
         print(f"| {name} | {r['nodes']} | {r['draft']:.2f} | {r['tree']:.2f} | {r['verify']:.2f} | {r['commit']:.2f} "
               f"| {r['step_ms']:.2f} | {100 * extra:.0f}% |")
+    results["projection_kernels"] = {str(k): v for k, v in chosen_kernels().items()}
+    print("projection kernels chosen by timing (rows, N, K):", results["projection_kernels"])
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=2)

@@ -17,6 +17,7 @@ import torch
 from benchmarks.timing import capture, time_ms
 from dflash_tfm.config import ModelConfig
 from dflash_tfm.engine.model_runner import ModelRunner
+from dflash_tfm.layers.linear import chosen_kernels, skinny_projections
 from dflash_tfm.loading.loader import build_model
 from dflash_tfm.models.presets import QWEN3_6_27B
 from dflash_tfm.models.random_init import init_random_
@@ -43,7 +44,7 @@ def main() -> None:
     ar_ms = time_ms(lambda: runner.decode(token, L), args.iters)
     print(f"AR decode step at context {L}: {ar_ms:.2f} ms", flush=True)
     results = {"context": L, "ar_step_ms": ar_ms, "kernel": args.kernel, "verify": {}}
-    with torch.inference_mode():
+    with torch.inference_mode(), skinny_projections():  # as the engine's speculative step runs it
         for n in args.ns:
             parents = random_parents(n, "best_first", seed=n, max_depth=15).to(device)
             tokens = torch.randint(0, cfg.vocab_size, (n,), device=device)
@@ -78,6 +79,10 @@ def main() -> None:
     print("|---|---|---|---|")
     for n, r in results["verify"].items():
         print(f"| {n} | {r['verify_ms']:.2f} | {r['verify_ms'] / ar_ms:.2f}x | {r['commit_ms']:.3f} |")
+    print("\nprojection kernels chosen by timing (rows, N, K):")
+    for shape, kernel in chosen_kernels().items():
+        print(f"  {shape}: {kernel}")
+    results["projection_kernels"] = {str(k): v for k, v in chosen_kernels().items()}
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=2)

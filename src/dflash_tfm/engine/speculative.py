@@ -21,6 +21,7 @@ from dflash_tfm.engine.model_runner import ModelRunner
 from dflash_tfm.engine.phase_graphs import PhaseGraphs
 from dflash_tfm.engine.phase_timer import PhaseTimer
 from dflash_tfm.engine.sampler import sample
+from dflash_tfm.layers.linear import skinny_projections
 from dflash_tfm.sampling_params import SamplingParams
 from dflash_tfm.spec.accept import accept_tree, target_draws
 from dflash_tfm.spec.tree import TreeSpec
@@ -93,15 +94,16 @@ class SpeculativeDecoder:
             self._uniforms.uniform_(generator=generator)
         draft_len = self.runner.bucket(L + self.max_depth)  # >= L + block drafter slots, a power of two
         sampling = (params.greedy, params.temperature, params.top_k, params.top_p)
-        with t.phase("draft"):
-            self.graphs.run(("draft", draft_len), lambda: self._draft(draft_len))
-        with t.phase("tree"):
-            self.graphs.run("tree", self._tree)
-        with t.phase("verify"):
-            self.graphs.run("verify", self._verify)
-        with t.phase("commit"):
-            self.graphs.run(("commit", sampling), lambda: self._commit(params), advances_state=True)
-            emitted = self._emitted.tolist()  # the one host read per step: which tokens were produced
+        with skinny_projections():  # fixed row counts: projections may use the measured skinny kernels
+            with t.phase("draft"):
+                self.graphs.run(("draft", draft_len), lambda: self._draft(draft_len))
+            with t.phase("tree"):
+                self.graphs.run("tree", self._tree)
+            with t.phase("verify"):
+                self.graphs.run("verify", self._verify)
+            with t.phase("commit"):
+                self.graphs.run(("commit", sampling), lambda: self._commit(params), advances_state=True)
+                emitted = self._emitted.tolist()  # the one host read per step: which tokens were produced
         out = emitted[: emitted.index(-1)] if -1 in emitted else emitted
         self.length = L + len(out)
         return out

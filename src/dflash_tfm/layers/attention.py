@@ -12,6 +12,7 @@ from torch import nn
 from dflash_tfm.config import ModelConfig
 from dflash_tfm.kernels.attention.tree_attention import AcceptedSlots, tree_attention, write_accepted_kv
 from dflash_tfm.layers.compile import fuse_on_cuda
+from dflash_tfm.layers.linear import linear
 from dflash_tfm.layers.norm import RMSNorm, rms_norm
 from dflash_tfm.layers.rotary import RotaryEmbedding, apply_rotary
 
@@ -34,7 +35,7 @@ class Attention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """x [B, T, hidden] -> q [B, T, H, D], k, v [B, T, Hkv, D] (normed, rotated) and the output gate."""
         B, T, _ = x.shape
-        q, k, v = F.linear(x, self.qkv_proj).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = linear(x, self.qkv_proj).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         gate = None
         if self.gated:
             q, gate = q.view(B, T, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
@@ -52,7 +53,7 @@ class Attention(nn.Module):
         o = o.reshape(*o.shape[:2], -1)
         if gate is not None:
             o = sigmoid_gate(o, gate)
-        return F.linear(o, self.o_proj)
+        return linear(o, self.o_proj)
 
     def forward(
         self,

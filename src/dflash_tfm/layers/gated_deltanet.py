@@ -20,6 +20,7 @@ from dflash_tfm.kernels.gdn.tree_commit import gdn_tree_commit
 from dflash_tfm.kernels.gdn.tree_reference import GDNTreeContext
 from dflash_tfm.kernels.gdn.tree_verify import gdn_tree_verify
 from dflash_tfm.layers.compile import fuse_on_cuda
+from dflash_tfm.layers.linear import linear
 from dflash_tfm.layers.norm import gated_rms_norm
 from dflash_tfm.layers.short_conv import causal_conv1d
 
@@ -85,7 +86,7 @@ class GatedDeltaNet(nn.Module):
     def output(self, o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """o, z [B, T, HV, dv] -> [B, T, hidden]."""
         y = gated_rms_norm(o, z, self.norm_weight, self.eps)
-        return F.linear(y.reshape(*y.shape[:2], self.value_dim), self.out_proj)
+        return linear(y.reshape(*y.shape[:2], self.value_dim), self.out_proj)
 
     def forward(self, x: torch.Tensor, state: torch.Tensor, conv_window: torch.Tensor) -> torch.Tensor:
         """Advance the layer over T tokens: x [B, T, hidden]; state [B, HV, dk, dv] fp32 and conv_window
@@ -93,11 +94,11 @@ class GatedDeltaNet(nn.Module):
         gated norm (CUDA-graph safe); prefill runs the chunked kernel."""
         if x.shape[1] == 1:
             y = gdn_fused_decode(
-                F.linear(x, self.in_proj), self.conv_weight, conv_window, self.A_log, self.dt_bias,
+                linear(x, self.in_proj), self.conv_weight, conv_window, self.A_log, self.dt_bias,
                 self.norm_weight, state, hk=self.hk, dk=self.dk, hv=self.hv, dv=self.dv, eps=self.eps)
-            return F.linear(y, self.out_proj)
+            return linear(y, self.out_proj)
         q, k, v, z, beta, g, new_window = gdn_inputs(
-            F.linear(x, self.in_proj), self.conv_weight, conv_window, self.A_log, self.dt_bias,
+            linear(x, self.in_proj), self.conv_weight, conv_window, self.A_log, self.dt_bias,
             self.hk, self.dk, self.hv, self.dv)
         conv_window.copy_(new_window)
         o, final_state = gdn_prefill(q, k, v, g, beta, state)
@@ -116,7 +117,7 @@ class GatedDeltaNet(nn.Module):
         """Outputs of all tree nodes x [B, N, hidden] (parents [B, N], shared ancestor bitsets) from the
         committed state and conv window, which are only read. Returns what `commit` needs."""
         mixed, z, beta, g = fused_split_projection(
-            F.linear(x, self.in_proj), self.A_log, self.dt_bias, self.conv_dim, self.hv, self.dv)
+            linear(x, self.in_proj), self.A_log, self.dt_bias, self.conv_dim, self.hv, self.dv)
         conv_out = tree_causal_conv1d(mixed, self.conv_weight, parents, conv_window)
         q, k, v = fused_split_heads(conv_out, self.hk, self.dk, self.hv, self.dv)
         o, ctx = gdn_tree_verify(q, k, v, g, beta, parents, state, kernel=kernel, ancestors=ancestors)

@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash_tfm.layers.compile import fuse_on_cuda
+from dflash_tfm.layers.linear import linear
 
 
 @fuse_on_cuda
@@ -24,4 +25,4 @@ class SwiGLU(nn.Module):
         self.down = nn.Parameter(torch.empty(hidden_size, intermediate_size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(silu_and_mul(F.linear(x, self.gate_up)), self.down)
+        return linear(silu_and_mul(linear(x, self.gate_up)), self.down)

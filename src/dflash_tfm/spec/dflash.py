@@ -32,6 +32,7 @@ from torch import nn
 
 from dflash_tfm.config import ModelConfig
 from dflash_tfm.layers.attention import write_kv
+from dflash_tfm.layers.linear import linear
 from dflash_tfm.layers.mlp import SwiGLU
 from dflash_tfm.layers.norm import RMSNorm
 from dflash_tfm.layers.rotary import RotaryEmbedding
@@ -72,7 +73,7 @@ class DFlashLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """ctx [1, T, H] (hidden_norm(fc(taps)), no input norm) at positions [1, T] -> k, v [1, T, Hkv, D]."""
         B, T, _ = ctx.shape
-        k, v = F.linear(ctx, self.qkv_proj[self.q_size :]).split(self.kv_size, dim=-1)
+        k, v = linear(ctx, self.qkv_proj[self.q_size :]).split(self.kv_size, dim=-1)
         k = self.k_norm(k.view(B, T, self.num_kv_heads, self.head_dim))
         _, k = rope(k, k, positions)  # RotaryEmbedding rotates a (q, k) pair; the context has no queries
         return k, v.view(B, T, self.num_kv_heads, self.head_dim)
@@ -95,7 +96,7 @@ class DFlashLayer(nn.Module):
         """
         batch, T, _ = h.shape
         x = self.input_norm(h)
-        q, k, v = F.linear(x, self.qkv_proj).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = linear(x, self.qkv_proj).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = self.q_norm(q.view(batch, T, self.num_heads, self.head_dim))
         k = self.k_norm(k.view(batch, T, self.num_kv_heads, self.head_dim))
         q, k = rope(q, k, positions)
@@ -105,7 +106,7 @@ class DFlashLayer(nn.Module):
         else:
             keys, values = k_cache.index_select(1, slots), v_cache.index_select(1, slots)
         o = grouped_attention(q, keys, values, mask, self.scale)
-        h = h + F.linear(o, self.o_proj)
+        h = h + linear(o, self.o_proj)
         return h + self.mlp(self.post_norm(h))
 
 
@@ -215,7 +216,7 @@ class DFlashDrafter(nn.Module):
             raise RuntimeError("call allocate(max_len) before append_context")
         if isinstance(start, int) and start + T > self.max_len:
             raise ValueError(f"context positions up to {start + T - 1} exceed the drafter cache (max_len {self.max_len})")
-        ctx = self.hidden_norm(F.linear(feats.to(self.dtype), self.fc))
+        ctx = self.hidden_norm(linear(feats.to(self.dtype), self.fc))
         positions = (torch.arange(T, device=self.device) + start).view(1, T)
         for layer, (k_cache, v_cache) in zip(self.layers, self.caches):
             k, v = layer.context_kv(ctx, positions, self.rope)
@@ -243,7 +244,7 @@ class DFlashDrafter(nn.Module):
         for layer, (k_cache, v_cache) in zip(self.layers, self.caches):
             h = layer(h, qpos.view(1, B), self.rope, k_cache, v_cache, *keys[layer.sliding])
         hidden = self.norm(h)[:, 1:]
-        return F.linear(hidden, self.lm_head_weight).float(), hidden
+        return linear(hidden, self.lm_head_weight).float(), hidden
 
     def _key_set(self, qpos: torch.Tensor, kv_len: int, sliding: bool) -> tuple[int | torch.Tensor, torch.Tensor]:
         """Cache slots a layer reads and their mask. Sliding layers gather only the W-1 context slots before

@@ -1,0 +1,112 @@
+"""``y = x Wᵀ`` for few rows (2 … 256: tree verify, drafter blocks) and large weights, in Triton.
+
+At these sizes a projection is a weight stream: each weight byte is used M times, far below what the tensor
+cores could do with it, so the kernel's only job is to keep enough weight bytes in flight. One program owns a
+``BM × BN`` output tile and a slice of K (split-K when N alone gives too few programs to fill the GPU); the
+split partials go to an fp32 workspace ``[SPLIT_K, M, N]`` and a second kernel sums them in a fixed order, so
+results are deterministic (no atomics) and identical between eager runs and CUDA-graph replays.
+The twin is ``F.linear``. Which of the two runs for a shape is decided by timing (``layers/linear.py``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from dflash_tfm.kernels import use_triton
+
+
+@dataclass(frozen=True)
+class SkinnyConfig:
+    block_n: int = 64
+    block_k: int = 128
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 4
+
+
+@triton.jit
+def _skinny_matmul_kernel(
+    x, w, out, M, N, K, k_per_split, sxm, sxk, swn, swk, som, son, sos,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+):
+    """Grid (cdiv(N, BN), cdiv(M, BM), SPLIT_K). out is [SPLIT_K, M, N] (fp32 partials) or [M, N] when
+    SPLIT_K = 1 (sos unused then)."""
+    offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
+    offs_m = tl.program_id(1) * BM + tl.arange(0, BM)
+    split = tl.program_id(2)
+    k_lo = split * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
+    mm, nm = offs_m < M, offs_n < N
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BK):
+        offs_k = k0 + tl.arange(0, BK)
+        km = offs_k < k_hi
+        a = tl.load(x + offs_m[:, None] * sxm + offs_k[None, :] * sxk, mask=mm[:, None] & km[None, :], other=0.0)
+        b = tl.load(w + offs_n[None, :] * swn + offs_k[:, None] * swk, mask=nm[None, :] & km[:, None], other=0.0)
+        acc += tl.dot(a, b)
+    tl.store(out + split * sos + offs_m[:, None] * som + offs_n[None, :] * son,
+             acc.to(out.dtype.element_ty), mask=mm[:, None] & nm[None, :])
+
+
+@triton.jit
+def _sum_splits_kernel(part, out, MN, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+    """out[i] = Σ_s part[s, i] over the flattened [M, N], in split order."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < MN
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for s in tl.static_range(SPLIT_K):
+        acc += tl.load(part + s * MN + offs, mask=m, other=0.0)
+    tl.store(out + offs, acc.to(out.dtype.element_ty), mask=m)
+
+
+def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, config: SkinnyConfig = SkinnyConfig()) -> torch.Tensor:
+    """``x [..., K] @ weight[N, K]ᵀ -> [..., N]`` in x's dtype with fp32 accumulation (on the CPU without
+    Triton's interpreter: ``F.linear``)."""
+    if x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"x has {x.shape[-1]} features, weight expects {weight.shape[1]}")
+    if not use_triton(x):
+        return F.linear(x, weight)
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    M, K = x2.shape
+    N = weight.shape[0]
+    BM = block_m(M)
+    c = config
+    k_per_split = triton.cdiv(triton.cdiv(K, c.split_k), c.block_k) * c.block_k
+    splits = triton.cdiv(K, k_per_split)
+    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    target = out if splits == 1 else torch.empty(splits, M, N, dtype=torch.float32, device=x.device)
+    _skinny_matmul_kernel[(triton.cdiv(N, c.block_n), triton.cdiv(M, BM), splits)](
+        x2, weight, target, M, N, K, k_per_split, *x2.stride(), *weight.stride(),
+        target.stride(-2), target.stride(-1), target.stride(0) if splits > 1 else 0,
+        BM=BM, BN=c.block_n, BK=c.block_k, num_warps=c.num_warps, num_stages=c.num_stages)
+    if splits > 1:
+        BLOCK = 1024
+        _sum_splits_kernel[(triton.cdiv(M * N, BLOCK),)](target, out, M * N, SPLIT_K=splits, BLOCK=BLOCK)
+    return out.view(*lead, N)
+
+
+MAX_ROWS = 128  # one row tile: every weight byte is read once
+
+
+def block_m(M: int) -> int:
+    return min(MAX_ROWS, max(16, triton.next_power_of_2(M)))
+
+
+def candidate_configs(M: int, N: int, K: int, sms: int) -> list[SkinnyConfig]:
+    """The configurations worth timing for one shape: tile widths and K depths that keep many weight bytes in
+    flight, with the split-K that brings the program count near two per SM, and 8 warps for tall tiles."""
+    configs = []
+    for block_n in (64, 128):
+        for block_k in (128, 256):
+            tiles = triton.cdiv(N, block_n) * triton.cdiv(M, block_m(M))
+            split = 1
+            while tiles * split < 2 * sms and K // (split * 2) >= 4 * block_k:
+                split *= 2
+            for warps in ((4, 8) if block_m(M) >= 64 else (4,)):
+                configs.append(SkinnyConfig(block_n, block_k, split, warps, num_stages=4))
+    return configs

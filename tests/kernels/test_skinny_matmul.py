@@ -1,0 +1,56 @@
+"""The Triton skinny matmul against its twin F.linear (Triton's interpreter on the CPU, real sizes on the GPU),
+and the projection dispatch."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dflash_tfm.kernels.linear.skinny_matmul import SkinnyConfig, candidate_configs, skinny_matmul
+from dflash_tfm.layers import linear as linear_module
+
+from .test_tree_common import rel_err, triton_device  # noqa: F401  (fixture)
+
+CASES = [  # rows, N, K, config: split-K 1 and 3 (K not a multiple of the split), N and K off the tile grid
+    (2, 40, 96, SkinnyConfig(block_n=32, block_k=32)),
+    (17, 72, 160, SkinnyConfig(block_n=64, block_k=32, split_k=3)),
+    (65, 33, 64, SkinnyConfig(block_n=16, block_k=16, split_k=2, num_warps=8)),
+]
+
+
+@pytest.mark.parametrize("rows, N, K, config", CASES, ids=[f"{m}x{n}x{k}-split{c.split_k}" for m, n, k, c in CASES])
+def test_triton_skinny_matmul_matches_linear(rows: int, N: int, K: int, config: SkinnyConfig, triton_device: str) -> None:
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(1, rows, K, generator=gen).to(triton_device)
+    w = torch.randn(N, K, generator=gen).to(triton_device)
+    y = skinny_matmul(x, w, config)
+    assert y.shape == (1, rows, N) and y.dtype == x.dtype
+    assert rel_err(y, F.linear(x, w)) <= 1e-5
+
+
+def test_candidates_split_k_until_the_gpu_is_full() -> None:
+    """A 5120 x 6144 projection at 65 rows has 80 column tiles of 64: split-K brings it to >= 2 programs per SM."""
+    configs = candidate_configs(65, 5120, 6144, sms=132)
+    assert {c.split_k for c in configs if c.block_n == 64} == {4}
+    assert all(c.split_k == 1 for c in candidate_configs(16, 248320, 5120, sms=132))
+
+
+def test_dispatch_runs_linear_off_cuda_and_rejects_a_width_mismatch() -> None:
+    x, w = torch.randn(3, 16), torch.randn(8, 16)
+    assert torch.equal(linear_module.linear(x, w), F.linear(x, w))
+    with pytest.raises(ValueError, match="features"):
+        skinny_matmul(torch.randn(3, 15), w)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [16, 65])
+def test_gpu_dispatch_matches_cublas_27b_shapes(rows: int) -> None:
+    """Qwen3.6-27B projections (bf16): whichever kernel the timing picks agrees with cuBLAS to bf16 rounding."""
+    for N, K in [(34816, 5120), (5120, 17408), (5120, 6144), (12288 + 2 * 1024 + 2 * 48, 5120)]:
+        x = torch.randn(1, rows, K, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) / K**0.5
+        ref = F.linear(x, w)
+        with linear_module.skinny_projections():
+            assert rel_err(linear_module.linear(x, w), ref) <= 1e-2
+        for config in candidate_configs(rows, N, K, sms=132)[:2]:
+            assert rel_err(skinny_matmul(x, w, config), ref) <= 1e-2
