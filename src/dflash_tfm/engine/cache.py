@@ -1,7 +1,9 @@
 """Static per-request caches of the target: attention K/V up to the max length, GDN state and conv window.
 
-Allocated once per engine (batch 1 today, the leading dim is the batch) and reused across requests, so
-the CUDA graphs that read them never see a new address.
+Allocated once per engine (the leading dim of each per-layer tensor is the batch) and reused across requests,
+so the CUDA graphs that read them never see a new address. Each kind is ONE layer-major stacked tensor
+(`k`, `v`, `states`, `windows`) and the per-layer entries are views of it, so a commit can update every layer
+of a kind in a single kernel launch.
 """
 from __future__ import annotations
 
@@ -11,36 +13,45 @@ from dflash_tfm.config import FULL_ATTENTION, ModelConfig
 
 
 class ModelCache:
-    """attention[i] = (k [B, S, Hkv, D], v [B, S, Hkv, D]); gdn[i] = (state [B, HV, dk, dv] fp32, window [B, C, K-1])."""
+    """attention[i] = (k [B, S, Hkv, D], v [B, S, Hkv, D]); gdn[i] = (state [B, HV, dk, dv] fp32, window [B, C, K-1]),
+    views of k, v [La, B, S, Hkv, D] and states, windows [Lg, B, ...] in the order of `attention_layers` /
+    `gdn_layers` (decoder layer indices)."""
 
     def __init__(self, cfg: ModelConfig, max_len: int, batch: int, dtype: torch.dtype, device: torch.device) -> None:
         self.max_len = max_len
-        self.attention: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.gdn: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        for i, t in enumerate(cfg.layer_types):
-            if t == FULL_ATTENTION:
-                shape = (batch, max_len, cfg.num_kv_heads, cfg.head_dim)
-                self.attention[i] = (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-            else:
-                state = torch.zeros(batch, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim, dtype=torch.float32, device=device)
-                window = torch.zeros(batch, cfg.gdn_conv_dim, cfg.linear_conv_kernel_dim - 1, dtype=dtype, device=device)
-                self.gdn[i] = (state, window)
+        self.attention_layers = [i for i, t in enumerate(cfg.layer_types) if t == FULL_ATTENTION]
+        self.gdn_layers = [i for i, t in enumerate(cfg.layer_types) if t != FULL_ATTENTION]
+        kv_shape = (len(self.attention_layers), batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+        self.k = torch.zeros(kv_shape, dtype=dtype, device=device)
+        self.v = torch.zeros(kv_shape, dtype=dtype, device=device)
+        n_gdn = len(self.gdn_layers)
+        if n_gdn:
+            self.states = torch.zeros(n_gdn, batch, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                                      cfg.linear_value_head_dim, dtype=torch.float32, device=device)
+            self.windows = torch.zeros(n_gdn, batch, cfg.gdn_conv_dim, cfg.linear_conv_kernel_dim - 1, dtype=dtype, device=device)
+        else:
+            self.states = self.windows = torch.zeros(0, batch, device=device)
+        self._index_layers()
+
+    def _index_layers(self) -> None:
+        self.attention = {i: (self.k[j], self.v[j]) for j, i in enumerate(self.attention_layers)}
+        self.gdn = {i: (self.states[j], self.windows[j]) for j, i in enumerate(self.gdn_layers)}
 
     def reset(self) -> None:
         """Start a new sequence: recurrent state and conv window back to zero (K/V slots are overwritten
         before they are read, since attention masks keys beyond each query's position)."""
-        for state, window in self.gdn.values():
-            state.zero_()
-            window.zero_()
+        self.states.zero_()
+        self.windows.zero_()
 
     def row(self, b: int) -> "ModelCache":
         """A batch-1 view of batch row ``b``: reads and writes through it land in this cache's buffers."""
         view = object.__new__(ModelCache)
         view.max_len = self.max_len
-        view.attention = {i: (k[b : b + 1], v[b : b + 1]) for i, (k, v) in self.attention.items()}
-        view.gdn = {i: (s[b : b + 1], w[b : b + 1]) for i, (s, w) in self.gdn.items()}
+        view.attention_layers, view.gdn_layers = self.attention_layers, self.gdn_layers
+        view.k, view.v = self.k[:, b : b + 1], self.v[:, b : b + 1]
+        view.states, view.windows = self.states[:, b : b + 1], self.windows[:, b : b + 1]
+        view._index_layers()
         return view
 
     def nbytes(self) -> int:
-        tensors = [t for pair in (*self.attention.values(), *self.gdn.values()) for t in pair]
-        return sum(t.numel() * t.element_size() for t in tensors)
+        return sum(t.numel() * t.element_size() for t in (self.k, self.v, self.states, self.windows))

@@ -105,7 +105,7 @@ class ModelRunner:
 
         The warm-up step runs on a scratch copy of the recurrent caches' contents so capture leaves the
         live state exactly as it was: the real step is the replay that follows."""
-        saved = [(s.clone(), w.clone()) for s, w in self.cache.gdn.values()]
+        saved = self.cache.states.clone(), self.cache.windows.clone()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -117,7 +117,6 @@ class ModelRunner:
             self._graph_pool = torch.cuda.graph_pool_handle()
         with torch.cuda.graph(graph, pool=self._graph_pool):
             logits = self._step(kv_len)
-        for (s, w), (s0, w0) in zip(self.cache.gdn.values(), saved):
-            s.copy_(s0)
-            w.copy_(w0)
+        self.cache.states.copy_(saved[0])
+        self.cache.windows.copy_(saved[1])
         self._graphs[kv_len] = (graph, logits)

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash_tfm.config import ModelConfig
-from dflash_tfm.kernels.attention.tree_attention import AcceptedSlots, tree_attention, write_accepted_kv
+from dflash_tfm.kernels.attention.tree_attention import tree_attention
 from dflash_tfm.layers.compile import fuse_on_cuda
 from dflash_tfm.layers.linear import linear
 from dflash_tfm.layers.norm import RMSNorm, rms_norm
@@ -94,14 +94,6 @@ class Attention(nn.Module):
         q, k, v, gate = self.project(x, positions, rope)
         o = tree_attention(q, k_cache, v_cache, cache_len, k, v, ancestors, self.scale)
         return self.output(o, gate), (k, v)
-
-    @staticmethod
-    def commit(
-        k_cache: torch.Tensor, v_cache: torch.Tensor, saved: tuple[torch.Tensor, torch.Tensor], slots: AcceptedSlots,
-    ) -> None:
-        """Write the accepted path's K/V into cache slots L .. L+a (`slots`: computed once per model commit)."""
-        k, v = saved
-        write_accepted_kv(k_cache, v_cache, k, v, slots)
 
 
 @fuse_on_cuda

@@ -132,3 +132,31 @@ class GatedDeltaNet(nn.Module):
         mixed, ctx = saved
         tree_conv_commit(mixed, parents, accepted, conv_window, out=conv_window)  # both in place: no copies
         gdn_tree_commit(ctx, accepted, out=state)
+
+
+def commit_gdn_layers(
+    states: torch.Tensor, windows: torch.Tensor, saved: list[tuple[torch.Tensor, GDNTreeContext]],
+    parents: torch.Tensor, accepted: torch.Tensor,
+) -> None:
+    """`GatedDeltaNet.commit` for all L layers at once: states [L, B, HV, dk, dv] and windows [L, B, C, 3] (the
+    cache's stacks), `saved` one verify output per layer in the same order. The layers' verify outputs are
+    stacked along the batch dim (layer-major, ~one copy kernel each) so ONE conv-commit and ONE fold launch
+    cover every layer instead of two launches per layer. The recurrent baseline (a state snapshot per node)
+    and non-contiguous stacks (a cache row view) commit layer by layer."""
+    L, B = states.shape[:2]
+    contexts = [ctx for _, ctx in saved]
+    if any(c.snapshots is not None for c in contexts) or not (states.is_contiguous() and windows.is_contiguous()):
+        for j, layer_saved in enumerate(saved):
+            GatedDeltaNet.commit(states[j], windows[j], layer_saved, parents, accepted)
+        return
+    parents_all, accepted_all = parents.repeat(L, 1), accepted.repeat(L, 1)
+    flat_windows = windows.view(L * B, *windows.shape[2:])
+    mixed = torch.stack([m for m, _ in saved]).flatten(0, 1)
+    tree_conv_commit(mixed, parents_all, accepted_all, flat_windows, out=flat_windows)
+    stacked = GDNTreeContext(
+        initial_state=states.view(L * B, *states.shape[2:]),
+        k=torch.stack([c.k for c in contexts]).flatten(0, 1),
+        u=torch.stack([c.u for c in contexts]).flatten(0, 1),
+        G=torch.stack([c.G for c in contexts]).flatten(0, 1),
+    )
+    gdn_tree_commit(stacked, accepted_all, out=stacked.initial_state)

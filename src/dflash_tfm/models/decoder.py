@@ -13,9 +13,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash_tfm.config import FULL_ATTENTION, ModelConfig
-from dflash_tfm.kernels.attention.tree_attention import accepted_slots
+from dflash_tfm.kernels.attention.tree_attention import accepted_slots, write_accepted_kv
 from dflash_tfm.layers.attention import Attention
-from dflash_tfm.layers.gated_deltanet import GatedDeltaNet
+from dflash_tfm.layers.gated_deltanet import GatedDeltaNet, commit_gdn_layers
 from dflash_tfm.layers.linear import linear
 from dflash_tfm.layers.mlp import SwiGLU
 from dflash_tfm.layers.norm import RMSNorm
@@ -124,14 +124,13 @@ class CausalLM(nn.Module):
         """Commit the accepted root->node path of the last `verify`: accepted [B, N] bool (root included),
         path_indices [B, M] the same nodes in order, -1 padded. Afterwards the caches hold the prefix plus
         the path at positions cache_len .. cache_len + a, as if the path had been decoded token by token."""
-        slots = accepted_slots(cache_len, path_indices, tree.parents.shape[0], path_indices.device)
-        for i, layer in enumerate(self.layers):
-            if layer.is_attention:
-                k_cache, v_cache = cache.attention[i]
-                layer.mixer.commit(k_cache, v_cache, saved[i], slots)
-            else:
-                state, window = cache.gdn[i]
-                layer.mixer.commit(state, window, saved[i], tree.parents, accepted)
+        if cache.attention_layers:  # one gather + one scatter per K and V for all attention layers
+            slots = accepted_slots(cache_len, path_indices, tree.parents.shape[0], path_indices.device)
+            k_tree = torch.stack([saved[i][0] for i in cache.attention_layers])
+            v_tree = torch.stack([saved[i][1] for i in cache.attention_layers])
+            write_accepted_kv(cache.k, cache.v, k_tree, v_tree, slots)
+        if cache.gdn_layers:
+            commit_gdn_layers(cache.states, cache.windows, [saved[i] for i in cache.gdn_layers], tree.parents, accepted)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final-normed hidden [..., hidden] -> fp32 logits [..., V]."""

@@ -171,9 +171,11 @@ def accepted_slots(cache_len: int | torch.Tensor, path_indices: torch.Tensor, ba
 def write_accepted_kv(
     k_cache: torch.Tensor, v_cache: torch.Tensor, k_tree: torch.Tensor, v_tree: torch.Tensor, slots: AcceptedSlots,
 ) -> None:
-    """Move the accepted nodes' K/V (``[B, N, Hkv, D]``) into cache slots ``L … L+a`` (``[B, S, Hkv, D]``) in place."""
-    k_cache[slots.rows, slots.dst] = k_tree[slots.rows, slots.src]
-    v_cache[slots.rows, slots.dst] = v_tree[slots.rows, slots.src]
+    """Move the accepted nodes' K/V (``[B, N, Hkv, D]``) into cache slots ``L … L+a`` (``[B, S, Hkv, D]``) in place;
+    with a leading layer dim on all four (``[L, B, ...]``, the cache's stacks) every layer in one launch."""
+    lead = (slice(None),) * (k_cache.dim() - 4)
+    k_cache[(*lead, slots.rows, slots.dst)] = k_tree[(*lead, slots.rows, slots.src)]
+    v_cache[(*lead, slots.rows, slots.dst)] = v_tree[(*lead, slots.rows, slots.src)]
 
 
 def compact_accepted_kv(
