@@ -114,3 +114,26 @@ def test_gpu_matches_twin_27b_shapes(N: int) -> None:
     for cache_len in (4000, torch.tensor([4096], device="cuda"), 0):
         o = tree_attention(**x, cache_len=cache_len)
         assert rel_err(o, tree_attention_reference(**x, cache_len=cache_len)) <= 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch", [1, 3])
+def test_gpu_decode_attention_both_implementations_agree(batch: int) -> None:
+    """Decode attention at Qwen3.6-27B's shapes (24 query / 4 kv heads, d 256) over a 2048-slot bucket: the
+    tree-attention kernel (token as a one-node tree) and masked SDPA give the same output, whichever is chosen."""
+    from dflash_tfm.layers import attention
+
+    gen = torch.Generator(device="cuda").manual_seed(batch)
+    q = torch.randn(batch, 1, 24, 256, device="cuda", dtype=torch.bfloat16, generator=gen)
+    k_cache = torch.randn(batch, 2048, 4, 256, device="cuda", dtype=torch.bfloat16, generator=gen)
+    v_cache = torch.randn(batch, 2048, 4, 256, device="cuda", dtype=torch.bfloat16, generator=gen)
+    positions = torch.tensor([[1500 - 7 * b] for b in range(batch)], device="cuda")
+    rows = torch.arange(batch, device="cuda")
+    k, v = k_cache[rows, positions[:, 0]].unsqueeze(1), v_cache[rows, positions[:, 0]].unsqueeze(1)
+    key = (*q.shape, 2048, 4, q.dtype)
+    outputs = {}
+    for name in ("sdpa", "tree_kernel"):
+        attention._decode_choice.choices[key] = name
+        outputs[name] = attention.decode_attention(q, k, v, k_cache, v_cache, positions, 256**-0.5)
+    del attention._decode_choice.choices[key]
+    assert rel_err(outputs["tree_kernel"], outputs["sdpa"]) <= 1e-2

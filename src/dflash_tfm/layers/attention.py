@@ -13,6 +13,7 @@ from dflash_tfm.config import ModelConfig
 from dflash_tfm.kernels.attention.tree_attention import tree_attention
 from dflash_tfm.layers.compile import fuse_on_cuda
 from dflash_tfm.layers.linear import linear
+from dflash_tfm.layers.measured_choice import MeasuredChoice
 from dflash_tfm.layers.norm import RMSNorm, rms_norm
 from dflash_tfm.layers.rotary import RotaryEmbedding, apply_rotary
 
@@ -68,15 +69,16 @@ class Attention(nn.Module):
 
         The new K/V are written into the cache at their positions first; keys beyond a query's position are
         masked, so `kv_len` may be any static bound >= positions.max() + 1 (CUDA graphs use a bucket size).
-        k_cache / v_cache: [B, S, Hkv, D]. (Decode through the split-K tree-attention kernel as a one-node
-        tree made the 27B-shaped step slower on the H200 — 15.14 ms together with the fused GDN kernel, which
-        alone saves ~0.2 ms, against 14.98 ms before both — so SDPA stays.)
+        k_cache / v_cache: [B, S, Hkv, D]. A single new token on CUDA goes through `decode_attention`.
         """
         q, k, v, gate = self.project(x, positions, rope)
         write_kv(k_cache, v_cache, positions, k, v)
-        o = causal_cache_attention(q, k_cache[:, :kv_len], v_cache[:, :kv_len], positions, self.scale)
+        keys, values = k_cache[:, :kv_len], v_cache[:, :kv_len]
+        if x.shape[1] == 1 and x.is_cuda:
+            o = decode_attention(q, k, v, keys, values, positions, self.scale)
+        else:
+            o = causal_cache_attention(q, keys, values, positions, self.scale)
         return self.output(o, gate)
-
 
     def verify(
         self,
@@ -117,6 +119,28 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tens
     batch = torch.arange(k.shape[0], device=k.device).unsqueeze(1).expand_as(positions)
     k_cache.index_put_((batch, positions), k.to(k_cache.dtype))
     v_cache.index_put_((batch, positions), v.to(v_cache.dtype))
+
+
+_decode_choice = MeasuredChoice(default="sdpa")
+
+
+def decode_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    positions: torch.Tensor, scale: float,
+) -> torch.Tensor:
+    """One new token per row (q [B, 1, H, D], its k, v [B, 1, Hkv, D] already written at `positions` [B, 1]):
+    SDPA with a position mask, or the split-KV tree-attention kernel with the token as a one-node tree over
+    the cache's first `positions` slots, whichever measured faster for this shape (`MeasuredChoice`)."""
+    def sdpa() -> torch.Tensor:
+        return causal_cache_attention(q, k_cache, v_cache, positions, scale)
+
+    def tree_kernel() -> torch.Tensor:
+        itself = torch.ones(q.shape[0], 1, 1, dtype=torch.long, device=q.device)  # ancestor bitset: bit 0
+        return tree_attention(q, k_cache, v_cache, positions[:, 0], k, v, itself, scale)
+
+    key = (*q.shape, k_cache.shape[1], k_cache.shape[2], q.dtype)
+    name = _decode_choice.choices.get(key) or _decode_choice.pick(key, {"sdpa": sdpa, "tree_kernel": tree_kernel})
+    return tree_kernel() if name == "tree_kernel" else sdpa()
 
 
 def causal_cache_attention(

@@ -4,9 +4,8 @@ Tree verify (N = budget + 1 rows) and drafter blocks (16 rows) multiply a few ro
 cuBLAS's GEMM tiles may stream the weights more slowly than its batch-1 GEMV does. Only code inside
 `skinny_projections()` (the speculative step, whose row counts are fixed per decoder) is considered, so
 prefills of short prompts never pay for a choice. Which kernel runs is decided per exact (rows, N, K, dtype)
-the first time the shape is seen outside a CUDA-graph capture: cuBLAS and every candidate configuration are
-timed (`triton.testing.do_bench`) and the fastest is kept for the process; the engine's warm-up before each
-capture sees every shape first. DFLASH_TFM_SKINNY_GEMM=0 keeps cuBLAS everywhere.
+the first time the shape is seen outside a CUDA-graph capture (`MeasuredChoice`): cuBLAS and every candidate
+configuration are timed and the fastest is kept for the process. DFLASH_TFM_SKINNY_GEMM=0 keeps cuBLAS everywhere.
 """
 from __future__ import annotations
 
@@ -18,12 +17,11 @@ import torch
 import torch.nn.functional as F
 
 from dflash_tfm.kernels.linear.skinny_matmul import MAX_ROWS, SkinnyConfig, candidate_configs, skinny_matmul
+from dflash_tfm.layers.measured_choice import MeasuredChoice
 
-_CUBLAS = None
 MIN_WEIGHT_ELEMENTS = 1 << 22  # smaller weights are not a bandwidth question: cuBLAS
-_choices: dict[tuple, SkinnyConfig | None] = {}
-
-
+_choice = MeasuredChoice(default="cublas")
+_configs: dict[str, SkinnyConfig] = {}
 _active = False
 
 
@@ -48,28 +46,19 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if not (x.is_cuda and 2 <= rows <= MAX_ROWS and weight.numel() >= MIN_WEIGHT_ELEMENTS and enabled()):
         return F.linear(x, weight)
     key = (rows, *weight.shape, x.dtype, weight.dtype, x.device)
-    if key not in _choices:
-        if torch.cuda.is_current_stream_capturing():  # cannot time inside a capture: cuBLAS, decide later
-            return F.linear(x, weight)
-        _choices[key] = fastest(x, weight)
-    config = _choices[key]
-    return F.linear(x, weight) if config is _CUBLAS else skinny_matmul(x, weight, config)
+    name = _choice.choices.get(key) or _choice.pick(key, _candidates(x, weight, rows))
+    return F.linear(x, weight) if name == "cublas" else skinny_matmul(x, weight, _configs[name])
 
 
-def fastest(x: torch.Tensor, weight: torch.Tensor) -> SkinnyConfig | None:
-    """Time cuBLAS and each candidate on these very tensors; None means cuBLAS won."""
-    from triton.testing import do_bench
-
-    rows = x.numel() // x.shape[-1]
+def _candidates(x: torch.Tensor, weight: torch.Tensor, rows: int) -> dict:
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-    best, best_ms = _CUBLAS, do_bench(lambda: F.linear(x, weight), warmup=5, rep=20)
+    candidates: dict = {"cublas": lambda: F.linear(x, weight)}
     for config in candidate_configs(rows, weight.shape[0], weight.shape[1], sms):
-        ms = do_bench(lambda: skinny_matmul(x, weight, config), warmup=5, rep=20)
-        if ms < best_ms:
-            best, best_ms = config, ms
-    return best
+        _configs[str(config)] = config
+        candidates[str(config)] = lambda c=config: skinny_matmul(x, weight, c)
+    return candidates
 
 
 def chosen_kernels() -> dict[tuple, str]:
     """What each shape seen so far runs (for benchmarks' reports): "cublas" or the Triton configuration."""
-    return {key[:3]: "cublas" if c is _CUBLAS else str(c) for key, c in _choices.items()}
+    return {key[:3]: name for key, name in _choice.choices.items()}
