@@ -11,33 +11,41 @@ Two kinds:
   and captures it for the next call.
 
 All graphs share one memory pool: they run one after another on one stream, and every tensor passed between
-phases is kept referenced by the caller, so no graph's output is ever reused as another's scratch.
+phases is kept referenced by the caller, so no graph's output is ever reused as another's scratch. Keys are
+tuples whose first item names the phase; each phase keeps at most `per_phase` graphs (least recently used
+go first), so e.g. a server seeing many different sampling settings does not accumulate graphs.
 """
 from __future__ import annotations
 
-from typing import Callable, Hashable
+from collections import OrderedDict
+from typing import Callable
 
 import torch
 
 
 class PhaseGraphs:
-    def __init__(self, enabled: bool) -> None:
+    def __init__(self, enabled: bool, per_phase: int = 8) -> None:
         self.enabled = enabled
-        self._graphs: dict[Hashable, torch.cuda.CUDAGraph] = {}
+        self.per_phase = per_phase
+        self._graphs: OrderedDict[tuple, torch.cuda.CUDAGraph] = OrderedDict()
         self._pool = None
 
-    def __contains__(self, key: Hashable) -> bool:
+    def __contains__(self, key: tuple) -> bool:
         return key in self._graphs
 
-    def run(self, key: Hashable, phase: Callable[[], None], advances_state: bool = False) -> None:
-        """Replay the graph of `key`, or on a miss run `phase` and capture it (see the module docstring)."""
+    def run(self, key: tuple, phase: Callable[[], None], advances_state: bool = False) -> None:
+        """Replay the graph of `key` (phase name first), or on a miss run `phase` and capture it."""
         if not self.enabled:
             phase()
             return
         graph = self._graphs.get(key)
         if graph is not None:
+            self._graphs.move_to_end(key)
             graph.replay()
             return
+        same_phase = [k for k in self._graphs if k[0] == key[0]]
+        if len(same_phase) >= self.per_phase:
+            del self._graphs[same_phase[0]]  # the least recently used of this phase
         side = torch.cuda.Stream()  # warm-up off the default stream, as capture requires
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):

@@ -93,14 +93,14 @@ class SpeculativeDecoder:
         if not params.greedy:
             self._uniforms.uniform_(generator=generator)
         draft_len = self.runner.bucket(L + self.max_depth)  # >= L + block drafter slots, a power of two
-        sampling = (params.greedy, params.temperature, params.top_k, params.top_p)
+        sampling = "greedy" if params.greedy else (params.temperature, params.top_k, params.top_p)
         with skinny_projections():  # fixed row counts: projections may use the measured skinny kernels
             with t.phase("draft"):
                 self.graphs.run(("draft", draft_len), lambda: self._draft(draft_len))
             with t.phase("tree"):
-                self.graphs.run("tree", self._tree)
+                self.graphs.run(("tree",), self._tree)
             with t.phase("verify"):
-                self.graphs.run("verify", self._verify)
+                self.graphs.run(("verify",), self._verify)
             with t.phase("commit"):
                 self.graphs.run(("commit", sampling), lambda: self._commit(params), advances_state=True)
                 emitted = self._emitted.tolist()  # the one host read per step: which tokens were produced
