@@ -62,3 +62,4 @@ def _candidates(x: torch.Tensor, weight: torch.Tensor, rows: int) -> dict:
 def chosen_kernels() -> dict[tuple, str]:
     """What each shape seen so far runs (for benchmarks' reports): "cublas" or the Triton configuration."""
     return {key[:3]: name for key, name in _choice.choices.items()}
+

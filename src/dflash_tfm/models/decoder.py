@@ -15,6 +15,7 @@ from torch import nn
 from dflash_tfm.config import FULL_ATTENTION, ModelConfig
 from dflash_tfm.kernels.attention.tree_attention import accepted_slots, write_accepted_kv
 from dflash_tfm.layers.attention import Attention
+from dflash_tfm.layers.fused_mlp import add_norm_linear, silu_mul_linear
 from dflash_tfm.layers.gated_deltanet import GatedDeltaNet, commit_gdn_layers
 from dflash_tfm.layers.linear import linear
 from dflash_tfm.layers.mlp import SwiGLU
@@ -84,8 +85,9 @@ class CausalLM(nn.Module):
         taps: list[torch.Tensor] = []
         x = self.layers[0].input_norm(h)
         for i, layer in enumerate(self.layers):
-            h, x = layer.post_norm.add_forward(h, mixer(i, layer, x))
-            mlp_out = layer.mlp(x)
+            # = post_norm.add_forward, then the MLP: gate_up GEMV, silu · mul, down GEMV (fused at decode)
+            h, gate_up = add_norm_linear(h, mixer(i, layer, x), layer.post_norm, layer.mlp.gate_up)
+            mlp_out = silu_mul_linear(gate_up, layer.mlp.down)
             if i in tap_layers:
                 taps.append(h + mlp_out)
             next_norm = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm

@@ -1,0 +1,63 @@
+"""The decode step's MLP with its neighbours fused into the GEMVs: add + norm into gate_up, silu · mul into down.
+
+`CausalLM` calls these for every layer; for anything but one row on CUDA they are exactly the layers' own ops
+(residual add fused into the norm, `layers/linear.py` projections, `silu_and_mul`). For one row on CUDA (a decode step) each may run
+as one Triton GEMV that computes its own input (`kernels/linear/fused_gemv.py`), where that measured faster
+than the separate kernels for this shape (`MeasuredChoice`, decided at the engine's warm-up before a CUDA graph
+is captured). DFLASH_TFM_FUSED_GEMV=0 keeps the separate kernels.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from dflash_tfm.kernels.linear.fused_gemv import add_norm_gemv, silu_mul_gemv
+from dflash_tfm.layers.linear import linear
+from dflash_tfm.layers.measured_choice import MeasuredChoice
+from dflash_tfm.layers.mlp import silu_and_mul
+from dflash_tfm.layers.norm import RMSNorm
+
+_fused_choice = MeasuredChoice(default="unfused")
+BLOCKS = {f"fused {bn}x{bk}": (bn, bk) for bn in (8, 16, 32) for bk in (256, 512)}  # GEMV rows x K chunk
+
+
+def fused_enabled() -> bool:
+    return os.environ.get("DFLASH_TFM_FUSED_GEMV", "1") != "0"
+
+
+def _decode_row(x: torch.Tensor) -> bool:
+    return x.is_cuda and x.numel() == x.shape[-1] and fused_enabled()
+
+
+def add_norm_linear(h: torch.Tensor, delta: torch.Tensor, norm: RMSNorm, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h + delta, weight · norm(h + delta)): the residual add, the next norm and the projection after it."""
+    def unfused() -> tuple[torch.Tensor, torch.Tensor]:
+        h_new, x = norm.add_forward(h, delta)
+        return h_new, linear(x, weight)
+
+    def fused(name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        return add_norm_gemv(h, delta, norm.weight, norm.eps, norm.plus_one, weight, *BLOCKS[name])
+
+    if not _decode_row(h):
+        return unfused()
+    key = ("add_norm", *weight.shape, h.dtype, norm.plus_one)
+    name = _fused_choice.choices.get(key) or _fused_choice.pick(
+        key, {"unfused": unfused} | {n: (lambda n=n: fused(n)) for n in BLOCKS})
+    return unfused() if name == "unfused" else fused(name)
+
+
+def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """weight · (silu(gate) * up) for gate_up [..., 2I] laid out [gate | up]."""
+    def unfused() -> torch.Tensor:
+        return linear(silu_and_mul(gate_up), weight)
+
+    def fused(name: str) -> torch.Tensor:
+        return silu_mul_gemv(gate_up, weight, *BLOCKS[name])
+
+    if not _decode_row(gate_up):
+        return unfused()
+    key = ("silu_mul", *weight.shape, gate_up.dtype)
+    name = _fused_choice.choices.get(key) or _fused_choice.pick(
+        key, {"unfused": unfused} | {n: (lambda n=n: fused(n)) for n in BLOCKS})
+    return unfused() if name == "unfused" else fused(name)
