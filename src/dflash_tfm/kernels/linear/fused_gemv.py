@@ -19,6 +19,15 @@ from dflash_tfm.kernels import use_triton
 
 
 @triton.jit
+def _residual_chunk(h, delta, k0, K, BK: tl.constexpr):
+    """h + delta at k0 … k0 + BK, rounded to the model dtype as the unfused add is, in fp32; and the mask."""
+    offs = k0 + tl.arange(0, BK)
+    km = offs < K
+    s = tl.load(h + offs, mask=km, other=0.0).to(tl.float32) + tl.load(delta + offs, mask=km, other=0.0).to(tl.float32)
+    return s.to(h.dtype.element_ty).to(tl.float32), offs, km
+
+
+@triton.jit
 def _add_norm_gemv_kernel(
     h, delta, norm_w, w, h_out, y, N, K, eps,
     PLUS_ONE: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
@@ -27,10 +36,7 @@ def _add_norm_gemv_kernel(
     pid = tl.program_id(0)
     sq = tl.zeros([BK], dtype=tl.float32)
     for k0 in range(0, K, BK):
-        offs = k0 + tl.arange(0, BK)
-        km = offs < K
-        s = (tl.load(h + offs, mask=km, other=0.0).to(tl.float32)
-             + tl.load(delta + offs, mask=km, other=0.0).to(tl.float32)).to(h.dtype.element_ty).to(tl.float32)
+        s, offs, km = _residual_chunk(h, delta, k0, K, BK)
         sq += s * s
         if pid == 0:
             tl.store(h_out + offs, s.to(h_out.dtype.element_ty), mask=km)
@@ -39,10 +45,7 @@ def _add_norm_gemv_kernel(
     rm = rows < N
     acc = tl.zeros([BN], dtype=tl.float32)
     for k0 in range(0, K, BK):
-        offs = k0 + tl.arange(0, BK)
-        km = offs < K
-        s = (tl.load(h + offs, mask=km, other=0.0).to(tl.float32)
-             + tl.load(delta + offs, mask=km, other=0.0).to(tl.float32)).to(h.dtype.element_ty).to(tl.float32)
+        s, offs, km = _residual_chunk(h, delta, k0, K, BK)
         g = tl.load(norm_w + offs, mask=km, other=0.0)
         if PLUS_ONE:  # (normed * (1 + w)) in fp32, then the model dtype
             x = (s * r * (1.0 + g.to(tl.float32))).to(h.dtype.element_ty)
