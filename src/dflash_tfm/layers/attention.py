@@ -31,12 +31,18 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.norm_plus_one) if cfg.qk_norm else None
         self.scale = cfg.head_dim**-0.5
 
+    @property
+    def in_weight(self) -> torch.Tensor:
+        """The input projection: the decoder applies it (fused with the norm before it at decode)."""
+        return self.qkv_proj
+
     def project(
-        self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding
+        self, qkv: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """x [B, T, hidden] -> q [B, T, H, D], k, v [B, T, Hkv, D] (normed, rotated) and the output gate."""
-        B, T, _ = x.shape
-        q, k, v = linear(x, self.qkv_proj).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        """qkv [B, T, q|k|v] (the normed input times `in_weight`) -> q [B, T, H, D], k, v [B, T, Hkv, D] (normed,
+        rotated) and the output gate."""
+        B, T, _ = qkv.shape
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         gate = None
         if self.gated:
             q, gate = q.view(B, T, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
@@ -58,23 +64,24 @@ class Attention(nn.Module):
 
     def forward(
         self,
-        x: torch.Tensor,
+        qkv: torch.Tensor,
         positions: torch.Tensor,
         rope: RotaryEmbedding,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         kv_len: int,
     ) -> torch.Tensor:
-        """Causal attention of T new tokens at `positions` over cache slots [0, kv_len).
+        """Causal attention of T new tokens (their projections qkv [B, T, q|k|v]) at `positions` over cache
+        slots [0, kv_len).
 
         The new K/V are written into the cache at their positions first; keys beyond a query's position are
         masked, so `kv_len` may be any static bound >= positions.max() + 1 (CUDA graphs use a bucket size).
         k_cache / v_cache: [B, S, Hkv, D]. A single new token on CUDA goes through `decode_attention`.
         """
-        q, k, v, gate = self.project(x, positions, rope)
+        q, k, v, gate = self.project(qkv, positions, rope)
         write_kv(k_cache, v_cache, positions, k, v)
         keys, values = k_cache[:, :kv_len], v_cache[:, :kv_len]
-        if x.shape[1] == 1 and x.is_cuda:
+        if qkv.shape[1] == 1 and qkv.is_cuda:
             o = decode_attention(q, k, v, keys, values, positions, self.scale)
         else:
             o = causal_cache_attention(q, keys, values, positions, self.scale)
@@ -82,7 +89,7 @@ class Attention(nn.Module):
 
     def verify(
         self,
-        x: torch.Tensor,
+        qkv: torch.Tensor,
         positions: torch.Tensor,
         rope: RotaryEmbedding,
         k_cache: torch.Tensor,
@@ -90,10 +97,10 @@ class Attention(nn.Module):
         cache_len: int,
         ancestors: torch.Tensor,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-        """Tree nodes x [B, N, hidden] at `positions` (L + depth) attend to the L cached keys plus their
-        ancestors-and-self (`ancestors` bitsets [B, N, W]). The cache is only read; the nodes' K/V are
-        returned for `commit`."""
-        q, k, v, gate = self.project(x, positions, rope)
+        """Tree nodes (their projections qkv [B, N, q|k|v]) at `positions` (L + depth) attend to the L cached
+        keys plus their ancestors-and-self (`ancestors` bitsets [B, N, W]). The cache is only read; the nodes'
+        K/V are returned for `commit`."""
+        q, k, v, gate = self.project(qkv, positions, rope)
         o = tree_attention(q, k_cache, v_cache, cache_len, k, v, ancestors, self.scale)
         return self.output(o, gate), (k, v)
 

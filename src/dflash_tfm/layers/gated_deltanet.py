@@ -88,17 +88,23 @@ class GatedDeltaNet(nn.Module):
         y = gated_rms_norm(o, z, self.norm_weight, self.eps)
         return linear(y.reshape(*y.shape[:2], self.value_dim), self.out_proj)
 
-    def forward(self, x: torch.Tensor, state: torch.Tensor, conv_window: torch.Tensor) -> torch.Tensor:
-        """Advance the layer over T tokens: x [B, T, hidden]; state [B, HV, dk, dv] fp32 and conv_window
-        [B, conv_dim, K-1] are updated in place. T == 1 runs one fused kernel from the projection to the
-        gated norm (CUDA-graph safe); prefill runs the chunked kernel."""
-        if x.shape[1] == 1:
+    @property
+    def in_weight(self) -> torch.Tensor:
+        """The input projection: the decoder applies it (fused with the norm before it at decode)."""
+        return self.in_proj
+
+    def forward(self, proj: torch.Tensor, state: torch.Tensor, conv_window: torch.Tensor) -> torch.Tensor:
+        """Advance the layer over T tokens, given their projections proj [B, T, q|k|v|z|b|a] (normed input times
+        `in_weight`); state [B, HV, dk, dv] fp32 and conv_window [B, conv_dim, K-1] are updated in place.
+        T == 1 runs one fused kernel from the projection to the gated norm (CUDA-graph safe); prefill runs the
+        chunked kernel."""
+        if proj.shape[1] == 1:
             y = gdn_fused_decode(
-                linear(x, self.in_proj), self.conv_weight, conv_window, self.A_log, self.dt_bias,
+                proj, self.conv_weight, conv_window, self.A_log, self.dt_bias,
                 self.norm_weight, state, hk=self.hk, dk=self.dk, hv=self.hv, dv=self.dv, eps=self.eps)
             return linear(y, self.out_proj)
         q, k, v, z, beta, g, new_window = gdn_inputs(
-            linear(x, self.in_proj), self.conv_weight, conv_window, self.A_log, self.dt_bias,
+            proj, self.conv_weight, conv_window, self.A_log, self.dt_bias,
             self.hk, self.dk, self.hv, self.dv)
         conv_window.copy_(new_window)
         o, final_state = gdn_prefill(q, k, v, g, beta, state)
@@ -107,17 +113,17 @@ class GatedDeltaNet(nn.Module):
 
     def verify(
         self,
-        x: torch.Tensor,
+        proj: torch.Tensor,
         state: torch.Tensor,
         conv_window: torch.Tensor,
         parents: torch.Tensor,
         ancestors: torch.Tensor,
         kernel: str = "chunk",
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, GDNTreeContext]]:
-        """Outputs of all tree nodes x [B, N, hidden] (parents [B, N], shared ancestor bitsets) from the
-        committed state and conv window, which are only read. Returns what `commit` needs."""
+        """Outputs of all tree nodes (their projections proj [B, N, *]; parents [B, N], shared ancestor bitsets)
+        from the committed state and conv window, which are only read. Returns what `commit` needs."""
         mixed, z, beta, g = fused_split_projection(
-            linear(x, self.in_proj), self.A_log, self.dt_bias, self.conv_dim, self.hv, self.dv)
+            proj, self.A_log, self.dt_bias, self.conv_dim, self.hv, self.dv)
         conv_out = tree_causal_conv1d(mixed, self.conv_weight, parents, conv_window)
         q, k, v = fused_split_heads(conv_out, self.hk, self.dk, self.hv, self.dv)
         o, ctx = gdn_tree_verify(q, k, v, g, beta, parents, state, kernel=kernel, ancestors=ancestors)

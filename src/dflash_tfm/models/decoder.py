@@ -15,7 +15,7 @@ from torch import nn
 from dflash_tfm.config import FULL_ATTENTION, ModelConfig
 from dflash_tfm.kernels.attention.tree_attention import accepted_slots, write_accepted_kv
 from dflash_tfm.layers.attention import Attention
-from dflash_tfm.layers.fused_mlp import add_norm_linear, silu_mul_linear
+from dflash_tfm.layers.fused_projections import add_norm_linear, silu_mul_linear
 from dflash_tfm.layers.gated_deltanet import GatedDeltaNet, commit_gdn_layers
 from dflash_tfm.layers.linear import linear
 from dflash_tfm.layers.mlp import SwiGLU
@@ -67,12 +67,12 @@ class CausalLM(nn.Module):
         Returns the final-normed hidden states [B, T, hidden] and the outputs of `tap_layers` (decoder layer
         indices, as HF `hidden_states[i + 1]`) for the drafter.
         """
-        def mixer(i: int, layer: DecoderLayer, x: torch.Tensor) -> torch.Tensor:
+        def mixer(i: int, layer: DecoderLayer, proj: torch.Tensor) -> torch.Tensor:
             if layer.is_attention:
                 k_cache, v_cache = cache.attention[i]
-                return layer.mixer(x, positions, self.rope, k_cache, v_cache, kv_len)
+                return layer.mixer(proj, positions, self.rope, k_cache, v_cache, kv_len)
             state, window = cache.gdn[i]
-            return layer.mixer(x, state, window)
+            return layer.mixer(proj, state, window)
 
         return self._run_layers(F.embedding(input_ids, self.embed_tokens), mixer, tap_layers)
 
@@ -80,19 +80,21 @@ class CausalLM(nn.Module):
         self, h: torch.Tensor, mixer: Callable[[int, "DecoderLayer", torch.Tensor], torch.Tensor],
         tap_layers: tuple[int, ...],
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """The residual stream through every layer. Each residual add is fused into the following norm
-        (input_norm of the next layer, post_norm, or the final norm), so h lags one MLP output behind."""
+        """The residual stream through every layer. Each residual add is fused into the following norm and the
+        projection after it (`add_norm_linear`: the next mixer's input projection, gate_up, or — the final
+        norm — nothing), so h lags one block output behind; mixers receive their input projections."""
         taps: list[torch.Tensor] = []
-        x = self.layers[0].input_norm(h)
+        first = self.layers[0]
+        proj = linear(first.input_norm(h), first.mixer.in_weight)
         for i, layer in enumerate(self.layers):
-            # = post_norm.add_forward, then the MLP: gate_up GEMV, silu · mul, down GEMV (fused at decode)
-            h, gate_up = add_norm_linear(h, mixer(i, layer, x), layer.post_norm, layer.mlp.gate_up)
+            h, gate_up = add_norm_linear(h, mixer(i, layer, proj), layer.post_norm, layer.mlp.gate_up)
             mlp_out = silu_mul_linear(gate_up, layer.mlp.down)
             if i in tap_layers:
                 taps.append(h + mlp_out)
-            next_norm = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm
-            h, x = next_norm.add_forward(h, mlp_out)
-        return x, taps
+            if i + 1 < len(self.layers):
+                following = self.layers[i + 1]
+                h, proj = add_norm_linear(h, mlp_out, following.input_norm, following.mixer.in_weight)
+        return self.norm.add_forward(h, mlp_out)[1], taps
 
     def verify(
         self,
@@ -107,13 +109,13 @@ class CausalLM(nn.Module):
         layers' outputs for every node, and per-layer data for `commit`."""
         saved: dict[int, object] = {}
 
-        def mixer(i: int, layer: DecoderLayer, x: torch.Tensor) -> torch.Tensor:
+        def mixer(i: int, layer: DecoderLayer, proj: torch.Tensor) -> torch.Tensor:
             if layer.is_attention:
                 k_cache, v_cache = cache.attention[i]
-                out, saved[i] = layer.mixer.verify(x, tree.positions, self.rope, k_cache, v_cache, cache_len, tree.ancestors)
+                out, saved[i] = layer.mixer.verify(proj, tree.positions, self.rope, k_cache, v_cache, cache_len, tree.ancestors)
             else:
                 state, window = cache.gdn[i]
-                out, saved[i] = layer.mixer.verify(x, state, window, tree.parents, tree.ancestors, gdn_kernel)
+                out, saved[i] = layer.mixer.verify(proj, state, window, tree.parents, tree.ancestors, gdn_kernel)
             return out
 
         hidden, taps = self._run_layers(F.embedding(tree.tokens, self.embed_tokens), mixer, tap_layers)

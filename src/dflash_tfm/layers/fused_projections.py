@@ -1,4 +1,5 @@
-"""The decode step's MLP with its neighbours fused into the GEMVs: add + norm into gate_up, silu · mul into down.
+"""Projections with the small op before them fused in at decode: residual add + RMSNorm into the next projection
+(a mixer's input projection, or gate_up), silu · mul into down.
 
 `CausalLM` calls these for every layer; for anything but one row on CUDA they are exactly the layers' own ops
 (residual add fused into the norm, `layers/linear.py` projections, `silu_and_mul`). For one row on CUDA (a decode step) each may run
