@@ -3,7 +3,8 @@
 # the benchmarks. Logs and JSON land in $OUT (default ./out); a short table is printed last.
 #   device run:  bash scripts/gpu_check.sh            (carry: .whl with fla-core and gguf wheels)
 # Set GPU_CHECK_PARTS to a subset of "tests kernels tree ar verify draft spec profile" to run only those parts, GPU_TESTS to
-# test paths.
+# test paths. All parts take longer than one 10-minute device call: e.g. "tests" in one call, "ar verify spec
+# profile" in the next (the first call of each process also times the measured kernel choices).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}; mkdir -p "$OUT"

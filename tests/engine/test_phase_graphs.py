@@ -89,3 +89,19 @@ def test_measured_choice_keeps_the_fastest_and_defers_during_capture(monkeypatch
     assert choice.pick("k", {"a": lambda: "a", "b": lambda: "b"}) == "b"
     timings["b"] = 9.0  # decided once: not re-timed
     assert choice.pick("k", {"a": lambda: "a", "b": lambda: "b"}) == "b"
+
+
+def test_measured_choice_leaves_out_a_candidate_that_fails(monkeypatch) -> None:
+    import triton.testing
+
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: fn())
+    monkeypatch.setattr(measured_choice.torch.cuda, "is_current_stream_capturing", lambda: False)
+
+    def broken() -> float:
+        raise RuntimeError("does not compile here")
+
+    choice = MeasuredChoice(default="safe")
+    assert choice.pick("k", {"safe": lambda: 3.0, "fast": broken}) == "safe"
+    assert "does not compile" in choice.failures["k"]["fast"]
+    with pytest.raises(RuntimeError):
+        MeasuredChoice(default="fast").pick("k", {"fast": broken})

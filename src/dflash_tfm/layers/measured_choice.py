@@ -17,14 +17,24 @@ class MeasuredChoice:
     def __init__(self, default: str) -> None:
         self.default = default
         self.choices: dict[Hashable, str] = {}
+        self.failures: dict[Hashable, dict[str, str]] = {}
 
     def pick(self, key: Hashable, candidates: dict[str, Callable[[], object]]) -> str:
-        """The name of the fastest candidate for `key` (timed now if unseen), or the default during a capture."""
+        """The name of the fastest candidate for `key` (timed now if unseen), or the default during a capture.
+        A candidate that raises while being timed (a kernel that does not compile on this GPU, say) is left
+        out and its error kept in `failures`; the default must work."""
         if key not in self.choices:
             if torch.cuda.is_current_stream_capturing():
                 return self.default
             from triton.testing import do_bench
 
-            times = {name: do_bench(fn, warmup=5, rep=20) for name, fn in candidates.items()}
+            times = {}
+            for name, fn in candidates.items():
+                try:
+                    times[name] = do_bench(fn, warmup=5, rep=20)
+                except Exception as e:  # noqa: BLE001 — any failure just disqualifies the candidate
+                    if name == self.default:
+                        raise
+                    self.failures.setdefault(key, {})[name] = f"{type(e).__name__}: {e}"[:300]
             self.choices[key] = min(times, key=times.get)
         return self.choices[key]
