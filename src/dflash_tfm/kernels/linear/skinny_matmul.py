@@ -97,16 +97,24 @@ def block_m(M: int) -> int:
     return min(MAX_ROWS, max(16, triton.next_power_of_2(M)))
 
 
+SHARED_MEMORY_BUDGET = 200 * 1024  # bytes of pipelined tiles per program (sm_90 has 228 KB)
+
+
 def candidate_configs(M: int, N: int, K: int, sms: int) -> list[SkinnyConfig]:
     """The configurations worth timing for one shape: tile widths and K depths that keep many weight bytes in
-    flight, with the split-K that brings the program count near two per SM, and 8 warps for tall tiles."""
+    flight, with the split-K that brings the program count near two per SM, 8 warps for tall tiles, and as many
+    pipeline stages (≤ 4) as fit the shared memory."""
     configs = []
     for block_n in (64, 128):
         for block_k in (128, 256):
+            stage_bytes = (block_m(M) + block_n) * block_k * 2
+            stages = min(4, SHARED_MEMORY_BUDGET // stage_bytes)
+            if stages < 2:
+                continue
             tiles = triton.cdiv(N, block_n) * triton.cdiv(M, block_m(M))
             split = 1
             while tiles * split < 2 * sms and K // (split * 2) >= 4 * block_k:
                 split *= 2
             for warps in ((4, 8) if block_m(M) >= 64 else (4,)):
-                configs.append(SkinnyConfig(block_n, block_k, split, warps, num_stages=4))
+                configs.append(SkinnyConfig(block_n, block_k, split, warps, num_stages=stages))
     return configs
