@@ -37,6 +37,7 @@ run() {  # name, command...
 [[ $PARTS == *draft* ]] && run bench_dflash_draft python3 -m benchmarks.bench_dflash_draft
 [[ $PARTS == *spec* ]] && run bench_spec_step python3 -m benchmarks.bench_spec_step --out "$OUT/spec_step.json"
 [[ $PARTS == *spec* ]] && run bench_tree_build python3 -m benchmarks.bench_tree_build
+[[ $PARTS == *profile* ]] && run bench_projection_kernels python3 -m benchmarks.bench_projection_kernels
 [[ $PARTS == *profile* ]] && run profile_decode python3 -m benchmarks.profile_decode_step
 [[ $PARTS == *profile* ]] && run profile_verify python3 -m benchmarks.profile_decode_step --verify-nodes 65
 echo; cat "$OUT/summary.txt"
