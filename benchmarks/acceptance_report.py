@@ -16,6 +16,16 @@ from pathlib import Path
 ORDER = ("AR", "DFLASH", "DDTREE", "DFLASH_TFM")
 
 
+def label(row: dict) -> str:
+    """The algorithm, with a non-default DFLASH_TFM tree width appended ("DFLASH_TFM c16")."""
+    children = row.get("children_per_node")
+    return row["algorithm"] if children in (None, 8) else f"{row['algorithm']} c{children}"
+
+
+def order(name: str) -> int:
+    return ORDER.index(name.split()[0])
+
+
 def read_cells(paths: list[Path]) -> dict[tuple[float, int | None, str], dict[str, dict]]:
     """(temperature, budget, algorithm) -> dataset -> row; a later row for the same cell wins."""
     cells: dict[tuple[float, int | None, str], dict[str, dict]] = defaultdict(dict)
@@ -23,7 +33,7 @@ def read_cells(paths: list[Path]) -> dict[tuple[float, int | None, str], dict[st
         for line in path.read_text(encoding="utf-8").splitlines():
             if line.strip():
                 row = json.loads(line)
-                cells[(row["temperature"], row["budget"], row["algorithm"])][row["dataset"]] = row
+                cells[(row["temperature"], row["budget"], label(row))][row["dataset"]] = row
     return cells
 
 
@@ -33,7 +43,7 @@ def table(cells: dict, datasets: list[str]) -> str:
     usual = max(set(counts), key=counts.count)
     lines = ["| T | budget | algorithm | " + " | ".join(datasets) + " | macro avg |",
              "|---|---|---|" + "---|" * (len(datasets) + 1)]
-    keys = sorted(cells, key=lambda k: (k[0], -(k[1] or 10**9), ORDER.index(k[2])))
+    keys = sorted(cells, key=lambda k: (k[0], -(k[1] or 10**9), order(k[2]), k[2]))
     for temperature, budget, algorithm in keys:
         per = cells[(temperature, budget, algorithm)]
         taus = [per[d]["tau"] for d in datasets if d in per]
@@ -66,15 +76,15 @@ def plot(cells: dict, datasets: list[str], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    keys = [k for k in sorted(cells, key=lambda k: (k[0], ORDER.index(k[2]), k[1] or 0)) if k[2] != "AR"]
+    keys = [k for k in sorted(cells, key=lambda k: (k[0], order(k[2]), k[2], k[1] or 0)) if k[2] != "AR"]
     fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(datasets) * len(keys) / 3), 4))
     width = 0.8 / max(1, len(keys))
     for i, key in enumerate(keys):
         per = cells[key]
         xs = [j + i * width for j, d in enumerate(datasets) if d in per]
         ys = [per[d]["tau"] for d in datasets if d in per]
-        label = f"{key[2]}" + (f" b{key[1]}" if key[1] else "") + f" T={key[0]:g}"
-        ax.bar(xs, ys, width, label=label, hatch="//" if key[0] > 0 else None)
+        name = f"{key[2]}" + (f" b{key[1]}" if key[1] else "") + f" T={key[0]:g}"
+        ax.bar(xs, ys, width, label=name, hatch="//" if key[0] > 0 else None)
     ax.set_xticks([j + 0.4 - width / 2 for j in range(len(datasets))], datasets)
     ax.axhline(1.0, color="gray", linewidth=0.8)
     ax.set_ylabel("τ (tokens per target forward)")

@@ -35,6 +35,7 @@ def main() -> None:
     p.add_argument("--budgets", type=int, nargs="+", default=[64, 32, 16])
     p.add_argument("--algorithms", nargs="+", default=list(ALGORITHMS), choices=ALGORITHMS)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--children-per-node", type=int, default=8, help="DFLASH_TFM children per expanded node")
     p.add_argument("--device", default=None)
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--out", type=Path, required=True, help="JSON lines, appended")
@@ -61,13 +62,16 @@ def main() -> None:
                        "budget": None if cell.algorithm in BUDGET_FREE else budget, "prompts": len(cell.taus),
                        "tokens": cell.tokens, "tau": cell.tau, "tok_s": cell.tok_s, "taus": cell.taus,
                        "max_new_tokens": args.max_new_tokens, "device": str(device), "dtype": str(engine.dtype)}
+                if cell.algorithm == "DFLASH_TFM" and args.children_per_node != 8:
+                    row["children_per_node"] = args.children_per_node
                 with args.out.open("a", encoding="utf-8") as f:
                     f.write(json.dumps(row) + "\n")
                 print(f"T={temperature} budget={budget} {cell.dataset} {cell.algorithm}: tau {cell.tau:.2f}, "
                       f"{cell.tok_s:.1f} tok/s", flush=True)
 
             run_algorithms(engine, bundle, prompts, max_new_tokens=args.max_new_tokens, temperature=temperature,
-                           budget=budget, seed=args.seed, algorithms=algorithms, on_cell=write, progress=False)
+                           budget=budget, seed=args.seed, algorithms=algorithms, on_cell=write, progress=False,
+                           children_per_node=args.children_per_node)
 
 
 if __name__ == "__main__":

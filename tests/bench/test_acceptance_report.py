@@ -21,3 +21,14 @@ def test_table_and_ordering(tmp_path: Path) -> None:
     assert "| 0 | – | DFLASH | 1.50 | 1.40 | 1.45 |" in md
     checks = ordering(cells, ["gsm8k", "mtbench"], 0.0, 64)
     assert checks[0].endswith("yes; TFM / DFLASH = 1.67") and "NO" in checks[1]  # DDTREE 1.3 < DFLASH 1.4
+
+
+def test_a_wider_weaver_tree_is_its_own_row(tmp_path: Path) -> None:
+    """Rows measured with a non-default DFLASH_TFM width (children_per_node) neither overwrite nor merge
+    with the default cell."""
+    rows = [{"dataset": "gsm8k", "algorithm": "DFLASH_TFM", "temperature": 1.0, "budget": 64, "tau": 1.8, "prompts": 20},
+            {"dataset": "gsm8k", "algorithm": "DFLASH_TFM", "temperature": 1.0, "budget": 64, "tau": 2.0, "prompts": 20,
+             "children_per_node": 16}]
+    (tmp_path / "w.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    md = table(read_cells([tmp_path / "w.jsonl"]), ["gsm8k"])
+    assert "| 1 | 64 | DFLASH_TFM | 1.80 | 1.80 |" in md and "| 1 | 64 | DFLASH_TFM c16 | 2.00 | 2.00 |" in md

@@ -76,6 +76,14 @@ def test_random_drafters_reproduce_greedy(target, algo: str, budget: int) -> Non
     assert decode(decoder)[0] == greedy_reference(model)
 
 
+def test_wider_weaver_trees_reproduce_greedy(target) -> None:
+    """DFLASH_TFM with 16 children per expanded node (Engine's tfm_children_per_node) is lossless too."""
+    cfg, model, root = target
+    decoder = build_decoder(runner_for(model), cfg, "DFLASH_TFM", root / "dflash", root / "weaver.pth", 64, None,
+                            "chunk", children_per_node=16)
+    assert decode(decoder)[0] == greedy_reference(model)
+
+
 class OracleDrafter:
     """Proposes the target's own greedy continuation (known in advance), optionally demoting the right token
     to second place at some depths so that tree modes must accept through a non-first sibling."""

@@ -29,6 +29,7 @@ def normalize_algorithm(name: str | None) -> str | None:
 def build_decoder(
     runner: ModelRunner, cfg: ModelConfig, algorithm: str | None, draft_model_path: str | Path | None,
     weaver_path: str | Path | None, tree_budget: int, block_size: int | None, gdn_kernel: str,
+    children_per_node: int = 8,
 ) -> AutoregressiveDecoder | SpeculativeDecoder:
     algo = normalize_algorithm(algorithm)
     if algo is None:
@@ -47,10 +48,13 @@ def build_decoder(
     block = drafter.config.block_size
     if block_size is not None and block_size != block:
         raise ValueError(f"block_size {block_size} does not match the drafter's block_size {block} ({draft_model_path})")
-    return SpeculativeDecoder(runner, drafter, _proposer(algo, runner, cfg, weaver_path, tree_budget, block), gdn_kernel)
+    proposer = _proposer(algo, runner, cfg, weaver_path, tree_budget, block, children_per_node)
+    return SpeculativeDecoder(runner, drafter, proposer, gdn_kernel)
 
 
-def _proposer(algo: str, runner: ModelRunner, cfg: ModelConfig, weaver_path, budget: int, block: int) -> Proposer:
+def _proposer(
+    algo: str, runner: ModelRunner, cfg: ModelConfig, weaver_path, budget: int, block: int, children_per_node: int = 8,
+) -> Proposer:
     from dflash_tfm.spec.chain import build_chain
 
     chain = Proposer(lambda root, logits, hidden, h_target: build_chain(root, logits), num_nodes=block)
@@ -68,5 +72,7 @@ def _proposer(algo: str, runner: ModelRunner, cfg: ModelConfig, weaver_path, bud
     weaver = load_weaver(weaver_path, runner.model, cfg, block, runner.device, runner.dtype)
     if budget + 1 <= block:  # a tree no larger than the block: the chain is at least as good
         return chain
-    return Proposer(lambda root, logits, hidden, h_target: build_weaver_tree(weaver, root, logits, hidden, h_target, budget),
-                    num_nodes=budget + 1)
+    if children_per_node < 1:
+        raise ValueError(f"children_per_node must be >= 1, got {children_per_node}")
+    return Proposer(lambda root, logits, hidden, h_target: build_weaver_tree(
+        weaver, root, logits, hidden, h_target, budget, children_per_node=children_per_node), num_nodes=budget + 1)

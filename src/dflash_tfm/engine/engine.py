@@ -47,6 +47,7 @@ class Engine:
         draft_model_path: str | Path | None = None,
         weaver_path: str | Path | None = None,
         tree_budget: int = 64,
+        tfm_children_per_node: int = 8,
         block_size: int | None = None,
         gdn_verify_kernel: str = "chunk",
         device: str | torch.device | None = None,
@@ -58,8 +59,10 @@ class Engine:
         """dtype "auto" = bfloat16 on CUDA and float32 on the CPU (CPU bf16 matmuls are slow and inexact).
         max_model_len defaults to min(the model's context, 32768) and sizes the static caches.
         block_size None = the drafter's own block size (a different value is an error: drafters are trained
-        for one block size). With the embedded default target (model_path None), a speculative algorithm without
-        draft_model_path / weaver_path uses the bundle trained for it (loading.default_model.DEFAULT_BUNDLE)."""
+        for one block size). tfm_children_per_node: children a DFLASH_TFM node publishes when Weaver expands it
+        (8, as published; wider trees may suit sampling at T > 0). With the embedded default target (model_path
+        None), a speculative algorithm without draft_model_path / weaver_path uses the bundle trained for it
+        (loading.default_model.DEFAULT_BUNDLE)."""
         self.speculative_algorithm = normalize_algorithm(speculative_algorithm)
         if model_path is None and self.speculative_algorithm is not None:
             draft_model_path = draft_model_path or DEFAULT_BUNDLE / "dflash"
@@ -85,7 +88,7 @@ class Engine:
         self.runner = ModelRunner(loaded.model, self.max_model_len, self.device, use_cuda_graph=use_cuda_graph)
         self.decoder = build_decoder(
             self.runner, self.config, self.speculative_algorithm, draft_model_path, weaver_path, tree_budget,
-            block_size, gdn_verify_kernel,
+            block_size, gdn_verify_kernel, tfm_children_per_node,
         )
         self.eos_token_ids = set(self.config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
