@@ -59,8 +59,12 @@ class SpeculativeDecoder:
         self._uniforms = torch.zeros(proposer.num_nodes, device=device)
         self._emitted = torch.full((self.block,), -1, dtype=torch.long, device=device)
         self._steps = torch.arange(self.block, device=device)
+        # Outputs passed from phase to phase (under CUDA graphs: the tensors the captured graphs write).
         self._draft_logits: torch.Tensor | None = None
         self._draft_hidden: torch.Tensor | None = None
+        self._tree_nodes: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._tree_spec: TreeSpec | None = None
+        self._verified: tuple | None = None
 
     def phase_seconds(self) -> dict[str, float]:
         return self.timer.collect()
