@@ -24,6 +24,19 @@ from dflash_tfm.models.random_init import init_random_
 from dflash_tfm.spec.tree import TreeSpec, random_parents
 
 
+def first_child_path(parents: torch.Tensor, depth: int = 5) -> tuple[torch.Tensor, torch.Tensor]:
+    """A path to commit: from the root, the first child down to `depth` (or a leaf), as the commit takes it —
+    accepted [1, N] bool and path indices [1, 16], -1 padded."""
+    path = [0]
+    while len(path) <= depth and (parents == path[-1]).any():
+        path.append(int((parents == path[-1]).nonzero()[0]))
+    accepted = torch.zeros(1, parents.shape[-1], dtype=torch.bool, device=parents.device)
+    accepted[0, path] = True
+    path_idx = torch.full((1, 16), -1, dtype=torch.long, device=parents.device)
+    path_idx[0, : len(path)] = torch.tensor(path, device=parents.device)
+    return accepted, path_idx
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ns", type=int, nargs="+", default=[1, 16, 65, 129])
@@ -59,13 +72,7 @@ def main() -> None:
             graph, _ = capture(verify)
             verify_ms = time_ms(graph.replay, args.iters)
             depth = tree.depths[0]
-            path = [0]
-            while len(path) < 6 and (parents == path[-1]).any():
-                path.append(int((parents == path[-1]).nonzero()[0]))
-            accepted = torch.zeros(1, n, dtype=torch.bool, device=device)
-            accepted[0, path] = True
-            path_idx = torch.full((1, 16), -1, dtype=torch.long, device=device)
-            path_idx[0, : len(path)] = torch.tensor(path, device=device)
+            accepted, path_idx = first_child_path(parents)
             snapshot = [(s.clone(), w.clone()) for s, w in runner.cache.gdn.values()]
             cgraph, _ = capture(lambda: model.commit(runner.cache, L, tree, saved, accepted, path_idx))
             commit_ms = time_ms(cgraph.replay, args.iters)

@@ -13,6 +13,7 @@ from typing import Callable
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from benchmarks.bench_verify_step import first_child_path
 from dflash_tfm.config import ModelConfig
 from dflash_tfm.engine.model_runner import ModelRunner
 from dflash_tfm.layers.linear import skinny_projections
@@ -31,13 +32,7 @@ def verify_and_commit(model, runner: ModelRunner, nodes: int, context: int) -> C
     tokens = torch.randint(0, model.config.vocab_size, (nodes,), device=device)
     length = torch.tensor([context], device=device)
     tree = TreeSpec.build(tokens.view(1, -1), parents.view(1, -1), cache_len=length)
-    path = [0]
-    while len(path) < 6 and (parents == path[-1]).any():
-        path.append(int((parents == path[-1]).nonzero()[0]))
-    accepted = torch.zeros(1, nodes, dtype=torch.bool, device=device)
-    accepted[0, path] = True
-    path_idx = torch.full((1, 16), -1, dtype=torch.long, device=device)
-    path_idx[0, : len(path)] = torch.tensor(path, device=device)
+    accepted, path_idx = first_child_path(parents)
 
     def step() -> None:
         hidden, _, saved = model.verify(tree, runner.cache, length)

@@ -14,18 +14,10 @@ from dflash_tfm.models.random_init import init_random_
 from dflash_tfm.sampling_params import SamplingParams
 from dflash_tfm.spec.fixtures import write_random_dflash_checkpoint
 from dflash_tfm.spec.weaver_fixtures import write_random_weaver_checkpoint
+from tests.spec.test_speculative_decoding import PROMPT, TARGETS
 
 pytestmark = pytest.mark.gpu
 
-TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-            head_dim=16, rms_norm_eps=1e-6, max_position_embeddings=1024, tie_word_embeddings=False)
-TARGETS = {
-    "hybrid": dict(TINY, model_type="qwen3_5_text", num_hidden_layers=4, full_attention_interval=2,
-                   linear_num_key_heads=2, linear_num_value_heads=6, linear_key_head_dim=16, linear_value_head_dim=16,
-                   rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
-    "dense": dict(TINY, model_type="qwen3", num_hidden_layers=3, rope_theta=10000.0),
-}
-PROMPT = [5, 17, 42, 8, 77, 3, 61, 29, 11, 50]
 N_TOKENS = 300  # crosses the 256-slot drafter bucket, so a second draft graph is captured
 
 

@@ -84,11 +84,11 @@ def test_measured_choice_keeps_the_fastest_and_defers_during_capture(monkeypatch
     monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: timings[fn()])
     choice = MeasuredChoice(default="a")
     monkeypatch.setattr(measured_choice.torch.cuda, "is_current_stream_capturing", lambda: True)
-    assert choice.pick("k", {"a": lambda: "a", "b": lambda: "b"}) == "a" and "k" not in choice.choices
+    assert choice.pick("k", lambda: {"a": lambda: "a", "b": lambda: "b"}) == "a" and "k" not in choice.choices
     monkeypatch.setattr(measured_choice.torch.cuda, "is_current_stream_capturing", lambda: False)
-    assert choice.pick("k", {"a": lambda: "a", "b": lambda: "b"}) == "b"
+    assert choice.pick("k", lambda: {"a": lambda: "a", "b": lambda: "b"}) == "b"
     timings["b"] = 9.0  # decided once: not re-timed
-    assert choice.pick("k", {"a": lambda: "a", "b": lambda: "b"}) == "b"
+    assert choice.pick("k", lambda: {"a": lambda: "a", "b": lambda: "b"}) == "b"
 
 
 def test_measured_choice_leaves_out_a_candidate_that_fails(monkeypatch) -> None:
@@ -101,7 +101,7 @@ def test_measured_choice_leaves_out_a_candidate_that_fails(monkeypatch) -> None:
         raise RuntimeError("does not compile here")
 
     choice = MeasuredChoice(default="safe")
-    assert choice.pick("k", {"safe": lambda: 3.0, "fast": broken}) == "safe"
+    assert choice.pick("k", lambda: {"safe": lambda: 3.0, "fast": broken}) == "safe"
     assert "does not compile" in choice.failures["k"]["fast"]
     with pytest.raises(RuntimeError):
-        MeasuredChoice(default="fast").pick("k", {"fast": broken})
+        MeasuredChoice(default="fast").pick("k", lambda: {"fast": broken})

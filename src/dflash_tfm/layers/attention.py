@@ -146,7 +146,7 @@ def decode_attention(
         return tree_attention(q, k_cache, v_cache, positions[:, 0], k, v, itself, scale)
 
     key = (*q.shape, k_cache.shape[1], k_cache.shape[2], q.dtype)
-    name = _decode_choice.choices.get(key) or _decode_choice.pick(key, {"sdpa": sdpa, "tree_kernel": tree_kernel})
+    name = _decode_choice.pick(key, lambda: {"sdpa": sdpa, "tree_kernel": tree_kernel})
     return tree_kernel() if name == "tree_kernel" else sdpa()
 
 

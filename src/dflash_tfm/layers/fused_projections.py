@@ -43,8 +43,8 @@ def add_norm_linear(h: torch.Tensor, delta: torch.Tensor, norm: RMSNorm, weight:
     if not _decode_row(h):
         return unfused()
     key = ("add_norm", *weight.shape, h.dtype, norm.plus_one)
-    name = _fused_choice.choices.get(key) or _fused_choice.pick(
-        key, {"unfused": unfused} | {n: (lambda n=n: fused(n)) for n in BLOCKS})
+    name = _fused_choice.pick(
+        key, lambda: {"unfused": unfused} | {n: (lambda n=n: fused(n)) for n in BLOCKS})
     return unfused() if name == "unfused" else fused(name)
 
 
@@ -59,6 +59,6 @@ def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor
     if not _decode_row(gate_up):
         return unfused()
     key = ("silu_mul", *weight.shape, gate_up.dtype)
-    name = _fused_choice.choices.get(key) or _fused_choice.pick(
-        key, {"unfused": unfused} | {n: (lambda n=n: fused(n)) for n in BLOCKS})
+    name = _fused_choice.pick(
+        key, lambda: {"unfused": unfused} | {n: (lambda n=n: fused(n)) for n in BLOCKS})
     return unfused() if name == "unfused" else fused(name)

@@ -19,8 +19,9 @@ class MeasuredChoice:
         self.choices: dict[Hashable, str] = {}
         self.failures: dict[Hashable, dict[str, str]] = {}
 
-    def pick(self, key: Hashable, candidates: dict[str, Callable[[], object]]) -> str:
+    def pick(self, key: Hashable, candidates: Callable[[], dict[str, Callable[[], object]]]) -> str:
         """The name of the fastest candidate for `key` (timed now if unseen), or the default during a capture.
+        `candidates()` builds the name -> callable map; it is only called when there is something to time.
         A candidate that raises while being timed (a kernel that does not compile on this GPU, say) is left
         out and its error kept in `failures`; the default must work."""
         if key not in self.choices:
@@ -29,7 +30,7 @@ class MeasuredChoice:
             from triton.testing import do_bench
 
             times = {}
-            for name, fn in candidates.items():
+            for name, fn in candidates().items():
                 try:
                     times[name] = do_bench(fn, warmup=5, rep=20)
                 except Exception as e:  # noqa: BLE001 — any failure just disqualifies the candidate
