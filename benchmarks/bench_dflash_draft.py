@@ -7,7 +7,9 @@ tensors (248320 x 5120 each) replaces the 56 GB target. Measured with CUDA event
   * `append_context` of 16 committed tokens (eager), the per-step cost of keeping the context cache current;
   * the bandwidth floor of a draft: drafter weights + lm_head + K/V read, over the device copy bandwidth.
 
-    python benchmarks/bench_dflash_draft.py --out $OUT/dflash_draft.json
+    python benchmarks/bench_dflash_draft.py --out $OUT/dflash_draft.json [--profile]
+
+--profile also prints the kernels of one draft and one 16-token context append at the first context.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from types import SimpleNamespace
 import torch
 
 from benchmarks.bench_ar_decode import copy_bandwidth
+from benchmarks.kernel_profile import print_kernel_table
 from benchmarks.timing import time_ms
 from dflash_tfm.layers.linear import skinny_projections
 from dflash_tfm.models.presets import QWEN3_6_27B
@@ -64,6 +67,7 @@ def main() -> None:
     ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096])
     ap.add_argument("--iters", type=int, default=100)
     ap.add_argument("--no-graph", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="kernel tables of a draft and a context append")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     dev, dtype = torch.device("cuda"), torch.bfloat16
@@ -102,6 +106,9 @@ def main() -> None:
         rows.append(dict(ctx=ctx, kv_len=kv_len, eager_ms=eager_ms, graph_ms=graph_ms, append16_ms=append_ms,
                          floor_ms=floor_ms))
         print(rows[-1], flush=True)
+        if args.profile and ctx == args.contexts[0]:
+            print_kernel_table(lambda: drafter.draft(root, ctx, kv_len), f"draft at context {ctx}")
+            print_kernel_table(lambda: drafter.append_context(commit, ctx - 16), "append 16 context tokens")
     print(f"\n{torch.cuda.get_device_name()}; copy bandwidth {bw / 1e12:.2f} TB/s; drafter weights "
           f"{weight_bytes / 1e9:.2f} GB + lm_head {head_bytes / 1e9:.2f} GB")
     print("| context | kv_len | draft eager ms | draft graph ms | floor ms | % of floor (graph) | append 16 ms |")

@@ -7,7 +7,9 @@ pools, the 16-row prefix encode and every batched expansion round. The target on
 lm_head, so a light stand-in with random [248320, 5120] bf16 tensors replaces the 27B model.
 Prints a markdown table of median milliseconds (CUDA events, after warm-up).
 
-    python benchmarks/bench_tree_build.py [--budgets 16 64 128] [--reps 50]
+    python benchmarks/bench_tree_build.py [--budgets 16 64 128] [--reps 50] [--profile]
+
+--profile also prints the kernels of one Weaver build at the largest budget (eager; the graph replays the same kernels).
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from types import SimpleNamespace
 
 import torch
 
+from benchmarks.kernel_profile import print_kernel_table
 from benchmarks.timing import capture, time_ms
 from dflash_tfm.config import ModelConfig
 from dflash_tfm.spec.chain import build_chain
@@ -36,6 +39,7 @@ def main() -> None:
     parser.add_argument("--budgets", type=int, nargs="+", default=[16, 64, 128])
     parser.add_argument("--reps", type=int, default=50)
     parser.add_argument("--variant", type=int, default=1, choices=(1, 2, 3))
+    parser.add_argument("--profile", action="store_true", help="kernel table of a Weaver build")
     args = parser.parse_args()
     device, dtype = torch.device("cuda"), torch.bfloat16
     torch.manual_seed(0)
@@ -75,6 +79,11 @@ def main() -> None:
         width = round_width(budget, 8)
         rounds = f"{-(-budget // width)} × {width}" if name == "weaver" else "—"
         print(f"| {name} | {budget} | {rounds} | {eager:.3f} | {replay} |")
+    if args.profile:
+        budget = max(args.budgets)
+        print()
+        print_kernel_table(lambda: build_weaver_tree(weaver, root, logits, h_dflash, h_target, budget),
+                           f"Weaver tree build, budget {budget}")
 
 
 if __name__ == "__main__":

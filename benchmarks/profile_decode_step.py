@@ -7,13 +7,12 @@ step, or with --verify-nodes N the verify forward over an N-node best-first tree
 from __future__ import annotations
 
 import argparse
-from collections import defaultdict
 from typing import Callable
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.bench_verify_step import first_child_path
+from benchmarks.kernel_profile import print_kernel_table
 from dflash_tfm.config import ModelConfig
 from dflash_tfm.engine.model_runner import ModelRunner
 from dflash_tfm.layers.linear import skinny_projections
@@ -64,27 +63,8 @@ def main() -> None:
     with torch.inference_mode(), skinny_projections():  # (only verify's projections are affected)
         for _ in range(3):  # compile + warm up
             step()
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(args.steps):
-                step()
-            torch.cuda.synchronize()
-    per_name: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
-    for evt in prof.events():
-        if evt.device_type == torch.autograd.DeviceType.CUDA:
-            per_name[evt.name][0] += 1
-            per_name[evt.name][1] += evt.device_time_total if hasattr(evt, "device_time_total") else evt.cuda_time_total
-    steps = args.steps
-    total_n = sum(v[0] for v in per_name.values()) / steps
-    total_us = sum(v[1] for v in per_name.values()) / steps
-    what = f"verify + commit of {args.verify_nodes} nodes" if args.verify_nodes else "decode step"
-    print(f"{args.layers} layers, {what}: {total_n:.0f} kernels per step, {total_us / 1e3:.2f} ms of kernel time per step")
-    gemv = sum(v[1] for k, v in per_name.items() if "gemv" in k.lower() or "gemm" in k.lower() or "sm90" in k) / steps
-    print(f"  of which GEMV/GEMM kernels: {gemv / 1e3:.2f} ms")
-    print("| kernel | per step | us per step |")
-    print("|---|---|---|")
-    for name, (n, us) in sorted(per_name.items(), key=lambda kv: -kv[1][1])[: args.top]:
-        print(f"| {name[:90]} | {n / steps:.0f} | {us / steps:.0f} |")
+        what = f"verify + commit of {args.verify_nodes} nodes" if args.verify_nodes else "decode step"
+        print_kernel_table(step, f"{args.layers} layers, {what}", args.steps, args.top)
 
 
 if __name__ == "__main__":

@@ -79,7 +79,7 @@ class Attention(nn.Module):
         k_cache / v_cache: [B, S, Hkv, D]. A single new token on CUDA goes through `decode_attention`.
         """
         q, k, v, gate = self.project(qkv, positions, rope)
-        write_kv(k_cache, v_cache, positions, k, v)
+        write_kv(k, v, positions, k_cache, v_cache)
         keys, values = k_cache[:, :kv_len], v_cache[:, :kv_len]
         if qkv.shape[1] == 1 and qkv.is_cuda:
             o = decode_attention(q, k, v, keys, values, positions, self.scale)
@@ -121,8 +121,10 @@ def sigmoid_gate(o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     return o * torch.sigmoid(gate)
 
 
-def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    """Scatter k, v [B, T, Hkv, D] into the caches [B, S, Hkv, D] at `positions` [B, T] (graph-safe)."""
+@fuse_on_cuda
+def write_kv(k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """Scatter k, v [B, T, Hkv, D] into the caches [B, S, Hkv, D] at `positions` [B, T] (graph-safe; fused on
+    CUDA into one kernel that stores into both caches in place)."""
     batch = torch.arange(k.shape[0], device=k.device).unsqueeze(1).expand_as(positions)
     k_cache.index_put_((batch, positions), k.to(k_cache.dtype))
     v_cache.index_put_((batch, positions), v.to(v_cache.dtype))
@@ -150,12 +152,19 @@ def decode_attention(
     return tree_kernel() if name == "tree_kernel" else sdpa()
 
 
+@fuse_on_cuda
+def causal_mask(positions: torch.Tensor, num_keys: int, dtype: torch.dtype) -> torch.Tensor:
+    """Additive mask [B, 1, T, S] (0 where key slot <= the query's position, else -inf) for queries at
+    `positions` [B, T]: SDPA adds it as is (a bool mask would be converted, two more kernels per layer)."""
+    keep = torch.arange(num_keys, device=positions.device).view(1, 1, 1, num_keys) <= positions[:, None, :, None]
+    return torch.zeros((), dtype=dtype, device=positions.device).masked_fill(~keep, float("-inf"))
+
+
 def causal_cache_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, scale: float
 ) -> torch.Tensor:
     """q [B, T, H, D] at `positions` [B, T]; k, v [B, S, Hkv, D] hold positions 0..S-1 -> [B, T, H, D]."""
-    S = k.shape[1]
-    mask = torch.arange(S, device=q.device).view(1, 1, 1, S) <= positions.unsqueeze(1).unsqueeze(-1)
+    mask = causal_mask(positions, k.shape[1], q.dtype)
     o = F.scaled_dot_product_attention(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale, enable_gqa=True
     )

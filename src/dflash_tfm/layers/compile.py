@@ -23,8 +23,14 @@ def enabled() -> bool:
 
 # Fusion pays off where launches dominate: decode (1 token) and tree verify (<= a few hundred nodes).
 # Prefill chunks are dominated by large matmuls, and compiling every new chunk length would cost far
-# more than it saves, so they run eagerly.
-MAX_FUSED_ROWS = 512
+# more than it saves, so they run eagerly. Counted in tokens (batch x sequence, the first two dims), not
+# rows: a 65-node tree's per-head q [1, 65, 24, 256] is 1560 rows but one small verify.
+MAX_FUSED_TOKENS = 512
+
+
+def small_enough_to_fuse(x: torch.Tensor) -> bool:
+    """At most MAX_FUSED_TOKENS tokens: the product of x's first two dims ([B, T, ...], or [W] slots)."""
+    return x.shape[:2].numel() <= MAX_FUSED_TOKENS
 
 
 # One process sees a handful of variants per helper (decode, a few tree sizes, dtypes, inference mode or
@@ -33,8 +39,8 @@ RECOMPILE_LIMIT = 32
 
 
 def fuse_on_cuda(fn: F) -> F:
-    """Run `fn` compiled (lazily, on first use) when its first tensor argument is a CUDA tensor with at
-    most MAX_FUSED_ROWS rows (all dims but the last). Not `fullgraph`: should dynamo ever give up on a
+    """Run `fn` compiled (lazily, on first use) when its first tensor argument is a CUDA tensor
+    `small_enough_to_fuse`. Not `fullgraph`: should dynamo ever give up on a
     call (recompile limit, an unsupported op), that call runs eagerly rather than raising."""
     compiled: Callable | None = None
 
@@ -42,7 +48,7 @@ def fuse_on_cuda(fn: F) -> F:
     def wrapper(*args, **kwargs):
         nonlocal compiled
         x = args[0]
-        if x.is_cuda and enabled() and x.numel() // x.shape[-1] <= MAX_FUSED_ROWS:
+        if x.is_cuda and enabled() and small_enough_to_fuse(x):
             if compiled is None:
                 torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
                 compiled = torch.compile(fn)

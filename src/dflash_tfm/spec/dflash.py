@@ -100,14 +100,14 @@ class DFlashLayer(nn.Module):
         q = self.q_norm(q.view(batch, T, self.num_heads, self.head_dim))
         k = self.k_norm(k.view(batch, T, self.num_kv_heads, self.head_dim))
         q, k = rope(q, k, positions)
-        write_kv(k_cache, v_cache, positions, k, v.view(batch, T, self.num_kv_heads, self.head_dim))
+        write_kv(k, v.view(batch, T, self.num_kv_heads, self.head_dim), positions, k_cache, v_cache)
         if isinstance(slots, int):
             keys, values = k_cache[:, :slots], v_cache[:, :slots]
         else:
             keys, values = k_cache.index_select(1, slots), v_cache.index_select(1, slots)
         o = grouped_attention(q, keys, values, mask, self.scale)
-        h = h + linear(o, self.o_proj)
-        return h + self.mlp(self.post_norm(h))
+        h, x = self.post_norm.add_forward(h, linear(o, self.o_proj))
+        return h + self.mlp(x)
 
 
 def grouped_attention(
@@ -220,7 +220,7 @@ class DFlashDrafter(nn.Module):
         positions = (torch.arange(T, device=self.device) + start).view(1, T)
         for layer, (k_cache, v_cache) in zip(self.layers, self.caches):
             k, v = layer.context_kv(ctx, positions, self.rope)
-            write_kv(k_cache, v_cache, positions, k, v)
+            write_kv(k, v, positions, k_cache, v_cache)
 
     def draft(
         self, root_token: torch.Tensor, position: int | torch.Tensor, kv_len: int | None = None
@@ -255,8 +255,12 @@ class DFlashDrafter(nn.Module):
         groups = cfg.num_heads // cfg.num_kv_heads
         if window is not None and window - 1 + cfg.block_size < kv_len:
             kpos = qpos[0] - (window - 1) + self._slots[: window - 1 + cfg.block_size]
-            return kpos.clamp(min=0), attention_mask(qpos, kpos, window, causal).repeat(1, 1, groups, 1)
-        return kv_len, attention_mask(qpos, self._slots[:kv_len], window, causal).repeat(1, 1, groups, 1)
+            slots: int | torch.Tensor = kpos.clamp(min=0)
+        else:
+            slots, kpos = kv_len, self._slots[:kv_len]
+        visible = attention_mask(qpos, kpos, window, causal).repeat(1, 1, groups, 1)
+        # additive, in the activations' dtype: SDPA would otherwise convert a bool mask in every layer
+        return slots, torch.zeros((), dtype=self.dtype, device=qpos.device).masked_fill(~visible, float("-inf"))
 
 
 def _to(param: str, row: int = 0) -> Callable[[torch.Tensor], list[Piece]]:
