@@ -81,7 +81,7 @@ def test_measured_choice_keeps_the_fastest_and_defers_during_capture(monkeypatch
     import triton.testing
 
     timings = {"a": 2.0, "b": 1.0}
-    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: timings[fn()])
+    monkeypatch.setattr(triton.testing, "do_bench_cudagraph", lambda fn, **kw: timings[fn()])
     choice = MeasuredChoice(default="a")
     monkeypatch.setattr(measured_choice.torch.cuda, "is_current_stream_capturing", lambda: True)
     assert choice.pick("k", lambda: {"a": lambda: "a", "b": lambda: "b"}) == "a" and "k" not in choice.choices
@@ -91,10 +91,22 @@ def test_measured_choice_keeps_the_fastest_and_defers_during_capture(monkeypatch
     assert choice.pick("k", lambda: {"a": lambda: "a", "b": lambda: "b"}) == "b"
 
 
+def test_measured_choice_keeps_the_default_unless_clearly_faster(monkeypatch) -> None:
+    import triton.testing
+
+    timings = {"a": 1.0, "b": 0.99, "c": 1.5}
+    monkeypatch.setattr(triton.testing, "do_bench_cudagraph", lambda fn, **kw: timings[fn()])
+    monkeypatch.setattr(measured_choice.torch.cuda, "is_current_stream_capturing", lambda: False)
+    candidates = {name: (lambda name=name: name) for name in timings}
+    assert MeasuredChoice(default="a").pick("k", lambda: candidates) == "a"  # 1 % is within noise
+    timings["b"] = 0.9
+    assert MeasuredChoice(default="a").pick("k", lambda: candidates) == "b"
+
+
 def test_measured_choice_leaves_out_a_candidate_that_fails(monkeypatch) -> None:
     import triton.testing
 
-    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: fn())
+    monkeypatch.setattr(triton.testing, "do_bench_cudagraph", lambda fn, **kw: fn())
     monkeypatch.setattr(measured_choice.torch.cuda, "is_current_stream_capturing", lambda: False)
 
     def broken() -> float:

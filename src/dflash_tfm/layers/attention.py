@@ -130,7 +130,7 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, k_cache:
     v_cache.index_put_((batch, positions), v.to(v_cache.dtype))
 
 
-_decode_choice = MeasuredChoice(default="sdpa")
+decode_attention_choice = MeasuredChoice(default="sdpa")
 
 
 def decode_attention(
@@ -148,7 +148,7 @@ def decode_attention(
         return tree_attention(q, k_cache, v_cache, positions[:, 0], k, v, itself, scale)
 
     key = (*q.shape, k_cache.shape[1], k_cache.shape[2], q.dtype)
-    name = _decode_choice.pick(key, lambda: {"sdpa": sdpa, "tree_kernel": tree_kernel})
+    name = decode_attention_choice.pick(key, lambda: {"sdpa": sdpa, "tree_kernel": tree_kernel})
     return tree_kernel() if name == "tree_kernel" else sdpa()
 
 

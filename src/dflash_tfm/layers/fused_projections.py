@@ -19,7 +19,7 @@ from dflash_tfm.layers.measured_choice import MeasuredChoice
 from dflash_tfm.layers.mlp import silu_and_mul
 from dflash_tfm.layers.norm import RMSNorm
 
-_fused_choice = MeasuredChoice(default="unfused")
+fused_choice = MeasuredChoice(default="unfused")
 BLOCKS = {f"fused {bn}x{bk}": (bn, bk) for bn in (8, 16, 32) for bk in (256, 512)}  # GEMV rows x K chunk
 
 
@@ -43,7 +43,7 @@ def add_norm_linear(h: torch.Tensor, delta: torch.Tensor, norm: RMSNorm, weight:
     if not _decode_row(h):
         return unfused()
     key = ("add_norm", *weight.shape, h.dtype, norm.plus_one)
-    name = _fused_choice.pick(
+    name = fused_choice.pick(
         key, lambda: {"unfused": unfused} | {n: (lambda n=n: fused(n)) for n in BLOCKS})
     return unfused() if name == "unfused" else fused(name)
 
@@ -59,6 +59,6 @@ def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor
     if not _decode_row(gate_up):
         return unfused()
     key = ("silu_mul", *weight.shape, gate_up.dtype)
-    name = _fused_choice.pick(
+    name = fused_choice.pick(
         key, lambda: {"unfused": unfused} | {n: (lambda n=n: fused(n)) for n in BLOCKS})
     return unfused() if name == "unfused" else fused(name)

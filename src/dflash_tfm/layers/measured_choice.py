@@ -2,15 +2,23 @@
 
 Which kernel is fastest for a projection with 65 rows, or for attention over a 2k-slot cache, depends on the
 GPU and the shapes; rather than guess, the first call for a key outside a CUDA-graph capture times every
-candidate (`triton.testing.do_bench`, on the caller's actual tensors) and the winner is kept for the process.
-Inside a capture nothing can be timed, so an unseen key runs the default without deciding; the engine warms
-every shape up before capturing it, so captured graphs hold the measured choice.
+candidate on the caller's actual tensors and the winner is kept for the process. Inside a capture nothing can
+be timed, so an unseen key runs the default without deciding; the engine warms every shape up before capturing
+it, so captured graphs hold the measured choice.
+
+Candidates are timed the way the engine runs them, replayed from a CUDA graph
+(`triton.testing.do_bench_cudagraph`): timed eagerly, a candidate of three launches (a compiled element-wise
+op + cuBLAS + its split-K reduction) pays Python launch overhead that a graph does not, and lost on the H200
+to a fused kernel that was 15 % slower inside the graph. A candidate must also beat the default by
+`MIN_GAIN`, so kernels that are equally fast do not flip from one process to the next.
 """
 from __future__ import annotations
 
 from typing import Callable, Hashable
 
 import torch
+
+MIN_GAIN = 0.02  # a candidate replaces the default only when at least 2 % faster
 
 
 class MeasuredChoice:
@@ -27,15 +35,16 @@ class MeasuredChoice:
         if key not in self.choices:
             if torch.cuda.is_current_stream_capturing():
                 return self.default
-            from triton.testing import do_bench
+            from triton.testing import do_bench_cudagraph
 
             times = {}
             for name, fn in candidates().items():
                 try:
-                    times[name] = do_bench(fn, warmup=5, rep=20)
+                    times[name] = do_bench_cudagraph(fn, rep=20, return_mode="median")
                 except Exception as e:  # noqa: BLE001 — any failure just disqualifies the candidate
                     if name == self.default:
                         raise
                     self.failures.setdefault(key, {})[name] = f"{type(e).__name__}: {e}"[:300]
-            self.choices[key] = min(times, key=times.get)
+            best = min(times, key=times.get)
+            self.choices[key] = best if times[best] < (1 - MIN_GAIN) * times[self.default] else self.default
         return self.choices[key]
