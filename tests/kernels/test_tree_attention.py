@@ -133,7 +133,7 @@ def test_gpu_decode_attention_both_implementations_agree(batch: int) -> None:
     key = (*q.shape, 2048, 4, q.dtype)
     outputs = {}
     for name in ("sdpa", "tree_kernel"):
-        attention._decode_choice.choices[key] = name
+        attention.decode_attention_choice.choices[key] = name
         outputs[name] = attention.decode_attention(q, k, v, k_cache, v_cache, positions, 256**-0.5)
-    del attention._decode_choice.choices[key]
+    del attention.decode_attention_choice.choices[key]
     assert rel_err(outputs["tree_kernel"], outputs["sdpa"]) <= 1e-2
