@@ -152,12 +152,18 @@ def decode_attention(
     return tree_kernel() if name == "tree_kernel" else sdpa()
 
 
+def additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """bool mask (True = visible) -> 0 / -inf in `dtype`: SDPA adds it as is, where a bool mask would be
+    converted inside SDPA (two more kernels per layer)."""
+    return torch.zeros((), dtype=dtype, device=visible.device).masked_fill(~visible, float("-inf"))
+
+
 @fuse_on_cuda
 def causal_mask(positions: torch.Tensor, num_keys: int, dtype: torch.dtype) -> torch.Tensor:
     """Additive mask [B, 1, T, S] (0 where key slot <= the query's position, else -inf) for queries at
-    `positions` [B, T]: SDPA adds it as is (a bool mask would be converted, two more kernels per layer)."""
+    `positions` [B, T]."""
     keep = torch.arange(num_keys, device=positions.device).view(1, 1, 1, num_keys) <= positions[:, None, :, None]
-    return torch.zeros((), dtype=dtype, device=positions.device).masked_fill(~keep, float("-inf"))
+    return additive_mask(keep, dtype)
 
 
 def causal_cache_attention(

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash_tfm.config import ModelConfig
-from dflash_tfm.layers.attention import write_kv
+from dflash_tfm.layers.attention import additive_mask, write_kv
 from dflash_tfm.layers.linear import linear
 from dflash_tfm.layers.mlp import SwiGLU
 from dflash_tfm.layers.norm import RMSNorm
@@ -258,9 +258,8 @@ class DFlashDrafter(nn.Module):
             slots: int | torch.Tensor = kpos.clamp(min=0)
         else:
             slots, kpos = kv_len, self._slots[:kv_len]
-        visible = attention_mask(qpos, kpos, window, causal).repeat(1, 1, groups, 1)
-        # additive, in the activations' dtype: SDPA would otherwise convert a bool mask in every layer
-        return slots, torch.zeros((), dtype=self.dtype, device=qpos.device).masked_fill(~visible, float("-inf"))
+        # built once per draft for all layers, additive (see `additive_mask`)
+        return slots, additive_mask(attention_mask(qpos, kpos, window, causal).repeat(1, 1, groups, 1), self.dtype)
 
 
 def _to(param: str, row: int = 0) -> Callable[[torch.Tensor], list[Piece]]:
