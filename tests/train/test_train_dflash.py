@@ -21,7 +21,8 @@ from dflash_tfm.models.random_init import init_random_
 from dflash_tfm.spec.dflash import attention_mask, load_dflash_drafter
 from dflash_tfm.train.dflash_checkpoint import default_mask_token_id
 from dflash_tfm.train.dflash_forward import block_attention_mask, block_forward
-from dflash_tfm.train.dflash_trainer import TargetFeatures, load_rows, main, train_dflash
+from dflash_tfm.train.dflash_trainer import load_rows, main, train_dflash
+from dflash_tfm.train.target_features import TargetFeatures
 from tests.train.tiny_chat import save_tiny_chat_model
 
 SW, FULL = "sliding_attention", "full_attention"
@@ -143,6 +144,18 @@ def test_training_learns_the_targets_continuations(target, data_file, tmp_path):
     assert result.saved_step == max(result.validations, key=lambda v: v.accept_len).step
     logged = [json.loads(line) for line in (tmp_path / "d" / "train_log.jsonl").read_text().splitlines()]
     assert sum("validation" in e for e in logged) == 3 and logged[-1]["validation"]["step"] == 240
+
+
+def test_feature_store_trains_like_a_target_pass_per_step(target, data_file, tmp_path):
+    """Features gathered from the store (the default when they fit) or recomputed every step: same validations
+    and losses, up to the target's batching round-off."""
+    kwargs = dict(num_layers=1, block_size=4, steps=6, batch_size=4, anchors_per_seq=4, lr=3e-3, max_len=MAX_LEN,
+                  val_frac=0.2, log_every=1, eval_every=3, progress=False)
+    stored = train_dflash(target, data_file, tmp_path / "a", cache_features=True, **kwargs)
+    recomputed = train_dflash(target, data_file, tmp_path / "b", cache_features=False, **kwargs)
+    for a, b in zip(stored.validations, recomputed.validations, strict=True):
+        assert a.loss == pytest.approx(b.loss, rel=1e-4) and a.acc == pytest.approx(b.acc, abs=1e-6)
+    assert [e["loss"] for e in stored.log] == pytest.approx([e["loss"] for e in recomputed.log], rel=1e-4)
 
 
 def test_saved_checkpoint_layout_and_shared_heads(target, data_file, tmp_path):

@@ -139,16 +139,21 @@ def test_training_continues_from_a_saved_weaver(setups, tmp_path: Path) -> None:
                      steps=1, init_from=tmp_path / "a.pth", **kwargs)
 
 
+@pytest.mark.parametrize("cached", [False, True], ids=["target-pass", "feature-store"])
 @pytest.mark.parametrize("arch", ["llama", "qwen3_5_text"])
-def test_teacher_batch_equals_inference_per_row(setups, arch: str) -> None:
-    """The teacher runs several rows (right-padded, different lengths and position counts) in one target pass and
-    drafts all positions in one block forward. Each position equals the inference path on its row alone: the
-    target's plain prefill of that row, and the drafter's cached `draft` at L (context appended up to L)."""
+def test_teacher_batch_equals_inference_per_row(setups, arch: str, cached: bool) -> None:
+    """The teacher runs several rows (right-padded, different lengths and position counts) in one target pass, or
+    gathers them from its feature store, and drafts all positions in one block forward. Each position equals the
+    inference path on its row alone: the target's plain prefill of that row, and the drafter's cached `draft` at
+    L (context appended up to L)."""
     s = setups(arch)
     rows = read_rows(s.data, 64)[1:3]
     rows[1] = TrainRow(rows[1].ids[:-7], rows[1].prompt_len)  # a shorter row: the first one is padded past it
     positions = [[rows[0].prompt_len, rows[0].prompt_len + 5, len(rows[0].ids) - 2], [len(rows[1].ids) - 3]]
-    batch = FrozenTeacher(s.model, s.drafter, 128, 64).paths(rows, positions)
+    teacher = FrozenTeacher(s.model, s.drafter, 128, 64)
+    if cached:
+        teacher.cache_rows(rows, progress=False)
+    batch = teacher.paths(rows, positions)
     i = 0
     for row, row_positions in zip(rows, positions):
         T, ids = len(row.ids), torch.tensor(row.ids)

@@ -22,3 +22,18 @@ QWEN3_6_27B: dict = {
     "max_position_embeddings": 262144,
     "tie_word_embeddings": False,
 }
+
+# SmolLM2-135M-Instruct (the embedded default target), for timing training steps without its GGUF.
+SMOLLM2_135M: dict = {
+    "model_type": "llama",
+    "hidden_size": 576,
+    "num_hidden_layers": 30,
+    "intermediate_size": 1536,
+    "vocab_size": 49152,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "rope_theta": 100_000.0,
+    "rms_norm_eps": 1e-5,
+    "max_position_embeddings": 8192,
+    "tie_word_embeddings": True,
+}

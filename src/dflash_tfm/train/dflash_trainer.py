@@ -1,10 +1,10 @@
 """Train a DFlash drafter for a target on the target's own responses (MODELS.md, "Training recipe").
 
-Per step: the frozen target runs over a batch of (prompt + response) sequences and returns its tap-layer
-outputs (no grad) — the context features. In every sequence `anchors_per_seq` random response positions
-become blocks `[token at anchor, MASK x (B-1)]`; `block_forward` runs them all through the drafter at once,
-each seeing the context strictly before its anchor plus its own block, never another block. The loss is
-cross-entropy of block positions k = 1 .. B-1 against the true tokens anchor + k, weighted exp(-(k-1)/gamma)
+The frozen target's tap-layer outputs (no grad) are the context features: computed once for all rows when
+they fit in memory (`FeatureStore`), else by a target pass over each batch. In every sequence `anchors_per_seq`
+random response positions become blocks `[token at anchor, MASK x (B-1)]`; `block_forward` runs them all through
+the drafter at once, each seeing the context strictly before its anchor plus its own block, never another block.
+The loss is cross-entropy of block positions k = 1 .. B-1 against the true tokens anchor + k, weighted exp(-(k-1)/gamma)
 (early positions matter most: a chain is accepted only up to its first miss). The target's embeddings and
 lm_head are shared, frozen and not saved; only the drafter's own weights train (fp32 master weights, the
 target's dtype under autocast), with AdamW, linear warm-up then cosine decay, and gradient clipping.
@@ -22,6 +22,7 @@ import json
 import math
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,7 +30,6 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from dflash_tfm.engine.cache import ModelCache
 from dflash_tfm.loading.loader import load_target, parse_dtype
 from dflash_tfm.models.decoder import CausalLM
 from dflash_tfm.spec.dflash import DFlashDrafter, load_dflash_drafter
@@ -37,6 +37,7 @@ from dflash_tfm.spec.dflash_config import drafter_config_dict
 from dflash_tfm.train.dflash_checkpoint import build_trainable_drafter, default_mask_token_id, save_drafter
 from dflash_tfm.train.dflash_forward import block_forward
 from dflash_tfm.train.step_budget import StepBudget
+from dflash_tfm.train.target_features import FeatureStore, TargetFeatures, store_fits
 
 IGNORE = -100
 
@@ -93,32 +94,6 @@ def make_batch(rows: list[Row], anchors_per_seq: int, block_size: int, gen: torc
     return Batch(tokens.to(device), anchors.to(device), labels.to(device))
 
 
-class TargetFeatures:
-    """The frozen target as a feature extractor: tap-layer outputs of a padded batch (right padding cannot
-    change earlier positions: attention is causal and Gated DeltaNet is a recurrence)."""
-
-    def __init__(self, model: CausalLM, tap_layers: list[int], max_len: int) -> None:
-        self.model, self.tap_layers, self.max_len = model, tuple(tap_layers), max_len
-        self.caches: dict[int, ModelCache] = {}
-
-    def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens [b, T] -> the tap layers' outputs concatenated, [b, T, len(taps) * hidden]."""
-        return self.hidden_and_features(tokens)[1]
-
-    @torch.no_grad()
-    def hidden_and_features(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Also the final-normed hidden states [b, T, hidden] of the same pass (Weaver training needs both)."""
-        b, T = tokens.shape
-        if b not in self.caches:
-            embed = self.model.embed_tokens
-            self.caches[b] = ModelCache(self.model.config, self.max_len, b, embed.dtype, embed.device)
-        cache = self.caches[b]
-        cache.reset()
-        positions = torch.arange(T, device=tokens.device).expand(b, T)
-        hidden, taps = self.model(tokens, positions, cache, kv_len=T, tap_layers=self.tap_layers)
-        return hidden, torch.cat(taps, dim=-1)
-
-
 def block_loss_and_hits(
     drafter: DFlashDrafter, features: torch.Tensor, batch: Batch, decay: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -136,6 +111,29 @@ def block_loss_and_hits(
     return loss, hits, valid
 
 
+def train_step(drafter: DFlashDrafter, features: torch.Tensor, batch: Batch, decay: torch.Tensor,
+               optim: torch.optim.Optimizer, grad_clip: float, autocast: torch.autocast) -> tuple[torch.Tensor, torch.Tensor]:
+    """One optimizer step on one batch -> (loss, gradient norm before clipping), both still on the device.
+    `features` come from the target in its own dtype, as at inference: outside autocast."""
+    with autocast:
+        loss, _, _ = block_loss_and_hits(drafter, features, batch, decay)
+    optim.zero_grad(set_to_none=True)
+    loss.backward()
+    grad_norm = torch.nn.utils.clip_grad_norm_([p for g in optim.param_groups for p in g["params"]], grad_clip)
+    optim.step()
+    return loss.detach(), grad_norm
+
+
+BatchFeatures = Callable[[list[Row], torch.Tensor], torch.Tensor]  # (rows, their padded tokens) -> target features
+
+
+def batch_features(features: TargetFeatures, store: FeatureStore | None) -> BatchFeatures:
+    """Features of a batch: gathered from the store when there is one, else a target pass over the tokens."""
+    if store is None:
+        return lambda rows, tokens: features(tokens)
+    return lambda rows, tokens: store.gather([r.tokens for r in rows], tokens.shape[1])[1]
+
+
 @dataclass
 class Validation:
     """Held-out metrics at one step. acc[k-1]: P(argmax == token) at block position k;
@@ -149,7 +147,7 @@ class Validation:
 
 
 @torch.no_grad()
-def validate(drafter: DFlashDrafter, features: TargetFeatures, rows: list[Row], step: int, *, batch_size: int,
+def validate(drafter: DFlashDrafter, features: BatchFeatures, rows: list[Row], step: int, *, batch_size: int,
              anchors_per_seq: int, decay: torch.Tensor, seed: int, autocast: torch.autocast) -> Validation:
     """Same anchors every call (fixed seed), so validations at different steps compare like with like."""
     drafter.eval()
@@ -160,7 +158,7 @@ def validate(drafter: DFlashDrafter, features: TargetFeatures, rows: list[Row], 
     loss_sum = weight_sum = streak_sum = blocks = 0.0
     for s in range(0, len(rows), batch_size):
         batch = make_batch(rows[s : s + batch_size], anchors_per_seq, B, gen, decay.device)
-        feats = features(batch.tokens)
+        feats = features(rows[s : s + batch_size], batch.tokens)
         with autocast:
             loss, hits, valid = block_loss_and_hits(drafter, feats, batch, decay)
         w = (decay.expand_as(batch.labels) * valid).sum().item()
@@ -236,6 +234,7 @@ def train_dflash(
     time_budget_s: float | None = None,
     init_from: str | Path | None = None,
     tokenizer: object | None = None,
+    cache_features: bool | None = None,
     progress: bool = True,
 ) -> TrainResult:
     """Train a drafter for `target` (a local checkpoint path, or an already-built `CausalLM`: then `device`
@@ -248,6 +247,8 @@ def train_dflash(
     10 validations per run. `time_budget_s` lowers `steps` after the first steps so the whole schedule fits
     (`StepBudget`). `init_from`: continue from a saved drafter directory (its config wins over the shape
     arguments; the optimizer starts fresh, warm-up included), so a run can span several time-limited jobs.
+    `cache_features`: run the target once over all rows and keep its features (`FeatureStore`); None = when
+    they fit (`store_fits`).
     `result.drafter` is the last state, `result.saved_step` says which was saved.
     """
     budget = StepBudget(steps, time_budget_s)
@@ -280,7 +281,13 @@ def train_dflash(
         raw, drafter = continue_drafter(init_from, model, dtype)
         block_size = drafter.config.block_size
     drafter.allocate(max_len + block_size)  # RoPE table for every block position
-    features = TargetFeatures(model, drafter.config.target_layer_ids, max_len)
+    target_features = TargetFeatures(model, drafter.config.target_layer_ids, max_len)
+    width = tcfg.hidden_size * len(drafter.config.target_layer_ids)
+    if cache_features is None:
+        cache_features = store_fits(sum(len(r.tokens) for r in rows), width, dtype, device)
+    store = FeatureStore(target_features, [r.tokens for r in rows], with_hidden=False, progress=progress) \
+        if cache_features else None
+    features = batch_features(target_features, store)
 
     decay = torch.exp(-torch.arange(block_size - 1, device=device, dtype=torch.float32) / gamma)
     params = [p for p in drafter.parameters() if p.requires_grad]
@@ -323,14 +330,10 @@ def train_dflash(
             if len(epoch) < batch_size:
                 epoch += torch.randperm(len(train_rows), generator=gen).tolist()
             picked, epoch = epoch[:batch_size], epoch[batch_size:]
-            batch = make_batch([train_rows[i] for i in picked], anchors_per_seq, block_size, gen, device)
-            feats = features(batch.tokens)  # the target runs in its own dtype, as at inference: outside autocast
-            with autocast:
-                loss, _, _ = block_loss_and_hits(drafter, feats, batch, decay)
-            optim.zero_grad(set_to_none=True)
-            loss.backward()
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
-            optim.step()
+            batch_rows = [train_rows[i] for i in picked]
+            batch = make_batch(batch_rows, anchors_per_seq, block_size, gen, device)
+            loss, grad_norm = train_step(drafter, features(batch_rows, batch.tokens), batch, decay, optim, grad_clip,
+                                         autocast)
             sched.step()
             done += 1
             last = budget.step_done(done, bar)
@@ -379,6 +382,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fit --steps to this wall-clock budget (measured over the first steps)")
     p.add_argument("--init-from", type=Path, default=None,
                    help="continue training this saved drafter directory (its config wins over the shape flags)")
+    p.add_argument("--no-feature-cache", action="store_true",
+                   help="re-run the target every step instead of keeping its features of all rows in memory")
     p.add_argument("--no-progress", action="store_true")
     return p
 
@@ -401,7 +406,8 @@ def main(argv: list[str] | None = None) -> int:
             anchors_per_seq=args.anchors_per_seq, max_len=args.max_len, device=args.device, dtype=args.dtype,
             seed=args.seed, val_frac=args.val_frac, log_every=args.log_every, eval_every=args.eval_every,
             time_budget_s=None if args.time_budget_minutes is None else 60 * args.time_budget_minutes,
-            init_from=args.init_from, progress=not args.no_progress,
+            init_from=args.init_from, cache_features=False if args.no_feature_cache else None,
+            progress=not args.no_progress,
         )
     except (FileNotFoundError, CheckpointError, ValueError) as e:
         print(f"dflash-tfm train-dflash: error: {e}", file=sys.stderr)

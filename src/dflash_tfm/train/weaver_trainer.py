@@ -45,8 +45,8 @@ from dflash_tfm.models.decoder import CausalLM
 from dflash_tfm.spec.dflash import DFlashDrafter
 from dflash_tfm.spec.weaver import SPECULATOR_KIND, Weaver, WeaverConfig, WeaverNorm, load_weaver
 from dflash_tfm.train.dflash_forward import block_forward
-from dflash_tfm.train.dflash_trainer import TargetFeatures
 from dflash_tfm.train.step_budget import StepBudget
+from dflash_tfm.train.target_features import FeatureStore, TargetFeatures, store_fits
 
 SCHEDULES = ("wsd", "cosine", "constant")
 WARMUP_FRAC, DECAY_FRAC = 0.04, 0.2  # WSD: 4 % linear warm-up, flat, linear decay to 0 over the last 20 %
@@ -113,17 +113,22 @@ class FrozenTeacher:
         self.target, self.drafter = target, drafter
         self.block = drafter.config.block_size
         self.features = TargetFeatures(target, drafter.config.target_layer_ids, max_seq_len)
+        self.store: FeatureStore | None = None
         self.pool = min(pool_size, target.config.vocab_size)
         self.device = target.embed_tokens.device
         if drafter.max_len < max_seq_len + self.block:
             drafter.allocate(max_seq_len + self.block)
+
+    def cache_rows(self, rows: list[TrainRow], progress: bool) -> None:
+        """Run the target once over `rows` and keep its outputs (`FeatureStore`): `paths` then gathers them."""
+        self.store = FeatureStore(self.features, [row.ids for row in rows], with_hidden=True, progress=progress)
 
     @torch.no_grad()
     def paths(self, rows: list[TrainRow], positions: list[list[int]]) -> PathBatch:
         """Positions L of row i (prompt_len <= L < len(row.ids)) -> one PathBatch, rows in order, each row's
         positions in increasing order.
 
-        One target pass over all rows (right-padded: causal attention and the GDN recurrence never let a pad
+        One target pass over all rows, or its outputs from `store` (`cache_rows`) (right-padded: causal attention and the GDN recurrence never let a pad
         token reach an earlier position) and one drafter block forward for every position (the drafter
         trainer's, equal to `draft` at each L); a row with fewer positions repeats its last one, dropped after.
         """
@@ -135,7 +140,10 @@ class FrozenTeacher:
             ids[i, : len(row.ids)] = torch.tensor(row.ids)
         anchors = torch.tensor([sorted(p) + [max(p)] * (n - len(p)) for p in positions], device=self.device)  # [R, n]
         real = (torch.arange(n) < torch.tensor([len(p) for p in positions])[:, None]).view(-1).to(self.device)
-        hidden, feats = self.features.hidden_and_features(ids)
+        if self.store is not None and all(row.ids in self.store for row in rows):
+            hidden, feats = self.store.gather([row.ids for row in rows], T)
+        else:
+            hidden, feats = self.features.hidden_and_features(ids)
         h_dflash = block_forward(self.drafter, feats, ids, anchors)  # [R, n, K, H]
         node_pos = anchors[..., None] + torch.arange(K, device=self.device)  # [R, n, K]: depth-d node positions
         valid = node_pos < lengths[:, None, None]
@@ -275,6 +283,20 @@ def checkpoint_payload(weaver: Weaver, variant: int) -> dict:
     return {"config": config, "state_dict": state, "metadata": {"speculator_kind": SPECULATOR_KIND}}
 
 
+def train_step(weaver: Weaver, batch: PathBatch, embed: torch.Tensor, lm_head: torch.Tensor,
+               optimizer: torch.optim.Optimizer, tv_weight: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One optimizer step (tables re-derived from the parameters, gradient clipping at 1.0) -> (loss, kl, tv),
+    still on the device."""
+    attach_differentiable_tables(weaver, embed, lm_head)
+    kl, tv = path_losses(path_log_probs(weaver, batch), batch)
+    loss = kl + tv_weight * tv
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(weaver.parameters(), 1.0)
+    optimizer.step()
+    return loss.detach(), kl.detach(), tv.detach()
+
+
 @dataclass
 class WeaverTrainResult:
     """Where the checkpoint went and the held-out metrics before and after training (see :func:`evaluate`)."""
@@ -331,7 +353,7 @@ def train_weaver(
     device: str | torch.device | None = None, dtype: torch.dtype = torch.float32, seed: int = 0,
     val_frac: float = 0.02, log_every: int = 20, eval_every: int = 0, positions_per_row: int = 4,
     max_seq_len: int = 2048, time_budget_s: float | None = None, init_from: str | Path | None = None,
-    progress: bool = True,
+    cache_features: bool | None = None, progress: bool = True,
 ) -> WeaverTrainResult:
     """Train a Weaver of the given shape for ``target`` + ``drafter`` (both frozen) and save it to ``out_path``.
 
@@ -343,7 +365,8 @@ def train_weaver(
     does): every row has a new length, and compiling the frozen models' fused helpers per shape costs more than it
     saves. ``time_budget_s`` fits ``steps`` to a wall-clock budget (``StepBudget``). ``init_from`` continues a
     saved Weaver (its shape wins over the shape arguments; the optimizer starts fresh), so a run can span
-    several time-limited jobs.
+    several time-limited jobs. ``cache_features``: run the target once over all rows and keep its outputs
+    (``FrozenTeacher.cache_rows``); None = when they fit (``store_fits``).
     """
     if variant not in (1, 2):
         raise ValueError(f"variant must be 1 (swiglu, rotary) or 2 (gelu, pos_emb), got {variant}")
@@ -361,6 +384,11 @@ def train_weaver(
     n_val = max(1, round(val_frac * len(rows))) if len(rows) > 1 else 0
     val_rows, train_rows = rows[:n_val] or rows, rows[n_val:] or rows
     teacher = FrozenTeacher(target, drafter, pool_size, max(len(r.ids) for r in rows))
+    if cache_features is None:
+        width = target.config.hidden_size * (1 + len(drafter.config.target_layer_ids))
+        cache_features = store_fits(sum(len(r.ids) for r in rows), width, target.embed_tokens.dtype, device)
+    if cache_features:
+        teacher.cache_rows(rows, progress)
     embed = target.embed_tokens.detach().to(device, dtype)
     lm_head = target.lm_head_weight.detach().to(device, dtype)
     if init_from is None:
@@ -390,14 +418,7 @@ def train_weaver(
     step = 0
     while step < budget.steps:
         step += 1
-        batch = sampler.batch(batch_size)
-        attach_differentiable_tables(weaver, embed, lm_head)
-        kl, tv = path_losses(path_log_probs(weaver, batch), batch)
-        loss = kl + tv_weight * tv
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(weaver.parameters(), 1.0)
-        optimizer.step()
+        loss, kl, tv = train_step(weaver, sampler.batch(batch_size), embed, lm_head, optimizer, tv_weight)
         scheduler.step()
         last = budget.step_done(step, bar)
         if step % log_every == 0 or last:
@@ -456,6 +477,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fit --steps to this wall-clock budget (measured over the first steps)")
     p.add_argument("--init-from", type=Path, default=None,
                    help="continue training this saved Weaver (.pth; its shape wins over the shape flags)")
+    p.add_argument("--no-feature-cache", action="store_true",
+                   help="re-run the target every step instead of keeping its outputs for all rows in memory")
     p.add_argument("--no-progress", action="store_true")
     return p
 
@@ -488,7 +511,8 @@ def main(argv: list[str] | None = None) -> int:
             tv_weight=args.tv_weight, device=device, seed=args.seed, val_frac=args.val_frac,
             log_every=args.log_every, eval_every=args.eval_every, positions_per_row=args.positions_per_row,
             time_budget_s=None if args.time_budget_minutes is None else 60 * args.time_budget_minutes,
-            init_from=args.init_from, max_seq_len=args.max_seq_len, progress=not args.no_progress,
+            init_from=args.init_from, max_seq_len=args.max_seq_len,
+            cache_features=False if args.no_feature_cache else None, progress=not args.no_progress,
         )
     except (FileNotFoundError, CheckpointError, ValueError) as e:
         print(f"dflash-tfm train-weaver: error: {e}", file=sys.stderr)

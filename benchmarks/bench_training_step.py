@@ -1,0 +1,155 @@
+"""One optimizer step of drafter and Weaver training for the embedded target's shape (SmolLM2-135M, random BF16
+weights; GPU script), on real data rows: where a training step's time goes.
+
+Measured with CUDA events after warm-up (median), per step of the bundle's recipe (scripts/train_bundle.sh):
+  * drafter: 16 rows x 64 anchors, block 16, 2 layers; the target features once for all rows (`FeatureStore`,
+    wall seconds) or per step (the target pass), the batch assembly on the host, and `train_step`;
+  * Weaver: 32 positions (4 per row); the frozen teacher's `paths` (drafter blocks, target logits, pools) with
+    and without the store, and `train_step`.
+
+    python -m benchmarks.bench_training_step --data .stage/data/d*.jsonl --out $OUT/training_step.json [--profile]
+
+--profile also prints the kernels of one drafter step and one Weaver step (teacher + train_step).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from benchmarks.kernel_profile import print_kernel_table
+from benchmarks.timing import time_ms
+from dflash_tfm.config import ModelConfig
+from dflash_tfm.loading.loader import build_model
+from dflash_tfm.models.presets import SMOLLM2_135M
+from dflash_tfm.models.random_init import init_random_
+from dflash_tfm.spec.dflash_config import drafter_config_dict
+from dflash_tfm.train import dflash_trainer, weaver_trainer
+from dflash_tfm.train.dflash_checkpoint import build_trainable_drafter
+from dflash_tfm.train.target_features import FeatureStore, TargetFeatures
+from dflash_tfm.spec.weaver import WeaverConfig
+from dflash_tfm.train.weaver_trainer import FrozenTeacher, PositionSampler, new_weaver
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def wall_ms(fn: Callable[[], object], iters: int, warmup: int = 0) -> float:
+    """Median wall-clock milliseconds per call (CPU runs of this script only check that it works)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        times.append(1e3 * (time.perf_counter() - t0))
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--data", nargs="+", required=True)
+    ap.add_argument("--max-len", type=int, default=768)
+    ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--rows", type=int, default=None, help="use only the first N rows (a quick check)")
+    ap.add_argument("--device", default="cuda", help="cpu only checks that the script runs (wall-clock timings)")
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    os.environ.setdefault("DFLASH_TFM_COMPILE", "0")  # as the trainers run
+    torch.backends.cuda.matmul.allow_tf32 = True
+    dev = torch.device(args.device)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    timer = time_ms if dev.type == "cuda" else wall_ms
+    cfg = ModelConfig.from_dict(SMOLLM2_135M)
+    target = init_random_(build_model(cfg, dev, dtype, args.max_len + 16))
+    raw = drafter_config_dict(cfg, num_layers=2, block_size=16, mask_token_id=16, target_layer_ids=[1, 14, 27],
+                              dtype=dtype)
+    drafter = build_trainable_drafter(raw, target, seed=0)
+    drafter.allocate(args.max_len + 16)
+    result: dict = {}
+
+    # ---- drafter
+    rows = dflash_trainer.load_rows(args.data, args.max_len)[: args.rows]
+    features = TargetFeatures(target, raw["dflash_config"]["target_layer_ids"], args.max_len)
+    sync()
+    t0 = time.perf_counter()
+    store = FeatureStore(features, [r.tokens for r in rows], with_hidden=True)
+    sync()
+    result["store_seconds"] = time.perf_counter() - t0
+    result["store_gib"] = (store.features.numel() + store.hidden.numel()) * 2 / 2**30
+    print(f"feature store: {len(rows)} rows, {store.features.shape[0]} tokens, {result['store_gib']:.2f} GiB, "
+          f"{result['store_seconds']:.1f} s")
+    gen = torch.Generator().manual_seed(0)
+    pick = random.Random(0)
+    decay = torch.exp(-torch.arange(15, device=dev, dtype=torch.float32) / 7.0)
+    optim = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=1e-4, fused=dev.type == "cuda")
+    autocast = torch.autocast(dev.type, dtype=dtype, enabled=dev.type == "cuda")
+    batches = []
+    t0 = time.perf_counter()
+    for _ in range(args.iters):
+        batch_rows = pick.sample(rows, 16)
+        batches.append((batch_rows, dflash_trainer.make_batch(batch_rows, 64, 16, gen, dev)))
+    result["drafter_make_batch_ms"] = 1e3 * (time.perf_counter() - t0) / args.iters
+    it = iter(range(1 << 30))
+
+    def nth() -> tuple:
+        return batches[next(it) % len(batches)]
+
+    result["drafter_target_pass_ms"] = timer(lambda: features(nth()[1].tokens), args.iters, warmup=3)
+
+    def gather() -> None:
+        batch_rows, batch = nth()
+        store.gather([r.tokens for r in batch_rows], batch.tokens.shape[1])
+
+    result["drafter_store_gather_ms"] = timer(gather, args.iters, warmup=3)
+
+    def drafter_step() -> None:
+        batch_rows, batch = nth()
+        feats = store.gather([r.tokens for r in batch_rows], batch.tokens.shape[1])[1]
+        dflash_trainer.train_step(drafter, feats, batch, decay, optim, 1.0, autocast)
+
+    result["drafter_train_step_ms"] = timer(drafter_step, args.iters, warmup=5)
+    if args.profile and dev.type == "cuda":
+        print_kernel_table(drafter_step, "drafter step (store gather + train_step)")
+
+    # ---- Weaver
+    wrows = weaver_trainer.read_rows(args.data, args.max_len)[: args.rows]
+    teacher = FrozenTeacher(target, drafter, 512, args.max_len)
+    wcfg = WeaverConfig.from_dict(dict(d_model=cfg.hidden_size, d_embed=cfg.hidden_size, d_rank=384, num_layers=1,
+                                       num_heads=6, mlp_dim=1024, K=15, candidate_pool_size=512, activation="swiglu"))
+    weaver = new_weaver(wcfg, dev, torch.float32, seed=0)
+    embed, lm_head = target.embed_tokens.float(), target.lm_head_weight.float()
+    woptim = torch.optim.AdamW(weaver.parameters(), lr=1e-4)
+    sampler = PositionSampler(teacher, wrows, 4, random.Random(0))
+    with torch.no_grad():
+        result["weaver_teacher_target_pass_ms"] = timer(lambda: sampler.batch(32), args.iters, warmup=3)
+        teacher.cache_rows(wrows, progress=True)
+        result["weaver_teacher_store_ms"] = timer(lambda: sampler.batch(32), args.iters, warmup=3)
+    path_batches = [sampler.batch(32) for _ in range(8)]
+    result["weaver_train_step_ms"] = timer(
+        lambda: weaver_trainer.train_step(weaver, path_batches[next(it) % 8], embed, lm_head, woptim, 0.0),
+        args.iters, warmup=5)
+    if args.profile and dev.type == "cuda":
+        print_kernel_table(lambda: weaver_trainer.train_step(weaver, sampler.batch(32), embed, lm_head, woptim, 0.0),
+                           "Weaver step (teacher from the store + train_step)")
+
+    print("| part | ms |\n|---|---|")
+    for key, value in result.items():
+        if key.endswith("_ms"):
+            print(f"| {key[:-3]} | {value:.2f} |")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
