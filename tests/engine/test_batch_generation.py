@@ -12,7 +12,7 @@ import torch
 
 from dflash_tfm.config import ModelConfig
 from dflash_tfm.engine.batch_generation import BatchGenerator
-from dflash_tfm.engine.model_runner import ModelRunner
+from dflash_tfm.engine.model_runner import ModelRunner, key_length_bucket
 from dflash_tfm.loading.loader import build_model, load_weights, open_checkpoint
 from dflash_tfm.sampling_params import SamplingParams
 from tests.models.tiny_targets import VOCAB, save_hf_model
@@ -79,3 +79,24 @@ def test_bad_input(model) -> None:
         list(generator.generate([("long", [1] * MAX_LEN)], 4, SamplingParams()))
     with pytest.raises(ValueError, match="temperature"):
         list(generator.generate([("a", [1, 2])], 4, SamplingParams(temperature=-1.0)))
+
+
+def test_decode_steps_read_a_bucketed_key_length(model, monkeypatch) -> None:
+    """Each decode step's key length is a power-of-two bucket (`key_length_bucket`), not max(position) + 1: a
+    new shape every step re-timed the decode kernel choice every step on CUDA (data generation ran 50x slower)."""
+    seen: list[int] = []
+    forward = type(model).forward
+
+    def recording(self, ids, positions, cache, kv_len, **kw):
+        if ids.shape[1] == 1:
+            seen.append(kv_len)
+        return forward(self, ids, positions, cache, kv_len=kv_len, **kw)
+
+    monkeypatch.setattr(type(model), "forward", recording)
+    list(BatchGenerator(model, 3, MAX_LEN, stop_ids=()).generate(prompts(4), 10, SamplingParams()))
+    assert len(seen) >= 10 and set(seen) == {MAX_LEN}  # every position here is under the smallest bucket
+
+
+def test_key_length_bucket() -> None:
+    assert [key_length_bucket(p, 4096) for p in (0, 255, 256, 1000, 4095)] == [256, 256, 512, 1024, 4096]
+    assert key_length_bucket(300, 320) == 320

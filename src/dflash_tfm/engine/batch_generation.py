@@ -19,7 +19,7 @@ from typing import Generic, TypeVar
 import torch
 
 from dflash_tfm.engine.cache import ModelCache
-from dflash_tfm.engine.model_runner import prefill_in_chunks
+from dflash_tfm.engine.model_runner import key_length_bucket, prefill_in_chunks
 from dflash_tfm.engine.sampler import make_generator, sample
 from dflash_tfm.models.decoder import CausalLM
 from dflash_tfm.sampling_params import SamplingParams
@@ -101,8 +101,10 @@ class BatchGenerator:
             for slot in active:
                 positions[slot, 0] = rows[slot].length
                 rows[slot].length += 1
+            # A bucketed key length, not max(position) + 1: a new shape every step would also re-time the
+            # decode kernel choices (`MeasuredChoice`) every step.
             hidden, _ = self.model(next_tokens.view(-1, 1), positions.to(self.device), self.cache,
-                                   kv_len=int(positions.max()) + 1)
+                                   kv_len=key_length_bucket(int(positions.max()), self.max_len))
             next_tokens = sample(self.model.logits(hidden[:, -1]), params, generator)
             tokens = next_tokens.tolist()  # the one host read per step
             for slot in active:

@@ -17,6 +17,15 @@ from dflash_tfm.models.decoder import CausalLM
 MIN_BUCKET = 256
 
 
+def key_length_bucket(position: int, max_len: int) -> int:
+    """Smallest power-of-two key length (>= MIN_BUCKET, <= max_len) covering `position`: decode steps read this
+    many cache slots, so a few shapes serve every position (one CUDA graph, one kernel choice per bucket)."""
+    b = MIN_BUCKET
+    while b <= position:
+        b *= 2
+    return min(b, max_len)
+
+
 def prefill_in_chunks(
     model: CausalLM, token_ids: torch.Tensor, cache: ModelCache, start: int, chunk: int,
     tap_layers: tuple[int, ...] = (), on_taps: Callable[[list[torch.Tensor], int], None] | None = None,
@@ -74,11 +83,7 @@ class ModelRunner:
         return self.model.logits(last), last
 
     def bucket(self, position: int) -> int:
-        """Smallest power-of-two key length (>= MIN_BUCKET, <= max_len) covering `position`."""
-        b = MIN_BUCKET
-        while b <= position:
-            b *= 2
-        return min(b, self.max_len)
+        return key_length_bucket(position, self.max_len)
 
     @torch.inference_mode()
     def decode(self, token: torch.Tensor, position: int) -> torch.Tensor:

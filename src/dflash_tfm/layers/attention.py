@@ -147,7 +147,9 @@ def decode_attention(
         itself = torch.ones(q.shape[0], 1, 1, dtype=torch.long, device=q.device)  # ancestor bitset: bit 0
         return tree_attention(q, k_cache, v_cache, positions[:, 0], k, v, itself, scale)
 
-    key = (*q.shape, k_cache.shape[1], k_cache.shape[2], q.dtype)
+    # Keyed by the power of two above the key count: a caller whose key length changes every step (not a
+    # bucket) would otherwise re-time the candidates every step.
+    key = (*q.shape, 1 << (k_cache.shape[1] - 1).bit_length(), k_cache.shape[2], q.dtype)
     name = decode_attention_choice.pick(key, lambda: {"sdpa": sdpa, "tree_kernel": tree_kernel})
     return tree_kernel() if name == "tree_kernel" else sdpa()
 
