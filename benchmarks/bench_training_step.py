@@ -123,11 +123,13 @@ def main() -> None:
 
     # ---- Weaver
     wrows = weaver_trainer.read_rows(args.data, args.max_len)[: args.rows]
+    drafter.to(dtype)  # Weaver training loads the saved drafter in the target's dtype
     teacher = FrozenTeacher(target, drafter, 512, args.max_len)
     wcfg = WeaverConfig.from_dict(dict(d_model=cfg.hidden_size, d_embed=cfg.hidden_size, d_rank=384, num_layers=1,
                                        num_heads=6, mlp_dim=1024, K=15, candidate_pool_size=512, activation="swiglu"))
     weaver = new_weaver(wcfg, dev, torch.float32, seed=0)
     embed, lm_head = target.embed_tokens.float(), target.lm_head_weight.float()
+    weaver.prepare(embed, lm_head)  # the rotary tables (train_weaver's first evaluation does this)
     woptim = torch.optim.AdamW(weaver.parameters(), lr=1e-4)
     sampler = PositionSampler(teacher, wrows, 4, random.Random(0))
     with torch.no_grad():

@@ -71,3 +71,30 @@ def test_refits_when_the_pace_changes(clock: FakeClock) -> None:
         if done == 25:
             assert abs(budget.steps - 950) <= 1  # 0.1 s per step so far
     assert 90.0 <= clock.now <= 100.0 and done < 950  # the average pace lags; the reserve absorbs it
+
+
+def test_schedule_stretches_with_the_budget_but_never_rises_after_its_peak(clock: FakeClock) -> None:
+    """Slow first steps, then fast ones: every refit grows the count, one of them after the decay has begun.
+    Warm-up and decay follow the new count, but a decay already begun is held, never sent back up (WSD: flat
+    at 1 until the last 20 %, then linear to 0)."""
+    def wsd(step: int, total: int) -> float:
+        warmup, decay_start = max(1, total // 25), total - max(1, total // 5)
+        if step < warmup:
+            return min(1.0, (step + 1) / warmup)
+        return 1.0 if step < decay_start else (total - step) / (total - decay_start)
+
+    budget = StepBudget(100_000, seconds=100.0, skip=0, calibrate=25, reserve=0.0)
+    factor = budget.schedule(wsd)
+    budget.begin()
+    factors, done, grew_while_decaying = [factor(0)], 0, False
+    while done < budget.steps:
+        clock.now += 0.5 if done < 25 else 0.01
+        done += 1
+        before = budget.steps
+        budget.after_step(done)
+        grew_while_decaying |= budget.steps > before and factors[-1] < 1.0 and 1.0 in factors
+        factors.append(factor(done))
+    peak = factors.index(1.0)
+    assert grew_while_decaying
+    assert all(b <= a for a, b in zip(factors[peak:], factors[peak + 1:]))
+    assert factors[-1] == pytest.approx(0.0, abs=1e-3) and 90.0 <= clock.now <= 100.0

@@ -293,8 +293,8 @@ def train_dflash(
     params = [p for p in drafter.parameters() if p.requires_grad]
     optim = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay,
                               fused=device.type == "cuda")
-    warmup = max(1, round(warmup_frac * steps))
-    sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: _lr_factor(s, budget.steps, warmup))
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        optim, budget.schedule(lambda step, total: _lr_factor(step, total, max(1, round(warmup_frac * total)))))
     autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
     result = TrainResult(Path(out_dir), drafter, raw)
     Path(out_dir).mkdir(parents=True, exist_ok=True)

@@ -3,12 +3,15 @@
 Why: GPU time comes in fixed slices (a device call, a job limit). A run stopped by a timer ends mid-schedule
 at a high learning rate; instead the run measures its own pace and sets its step count so the whole schedule
 (warm-up, decay to the end) fits the budget: first after a few steps, then again at doubling step counts, as
-the pace (validations included) becomes known better. Learning-rate schedules read ``budget.steps`` at every
-step, so they stretch to whatever count is chosen.
+the pace (validations included) becomes known better. Learning-rate schedules (``budget.schedule``) read
+``budget.steps`` at every step, so they stretch to whatever count is chosen, warm-up included; once past their
+peak they never rise again: a refit that stretches a schedule whose decay has begun holds the learning rate
+instead (an H200 WSD run otherwise jumped from 4e-4 back to its 1e-3 peak at step 3200 of 4488).
 """
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from tqdm.auto import tqdm
 
@@ -73,3 +76,18 @@ class StepBudget:
         if self.steps == self.requested:
             return f"{self.steps} steps"
         return f"{self.steps} steps (of {self.requested} requested: time budget {self.seconds:.0f} s)"
+
+    def schedule(self, shape: Callable[[int, int], float]) -> Callable[[int], float]:
+        """A ``LambdaLR`` factor: ``shape(step, steps)`` (peak 1) at the current ``steps``, held at its lowest
+        value so far once it has reached its peak (see the module docstring)."""
+        state = {"peaked": False, "last": 0.0}
+
+        def factor(step: int) -> float:
+            value = shape(step, self.steps)
+            if state["peaked"]:
+                value = min(value, state["last"])
+            state["peaked"] = state["peaked"] or value >= 1.0
+            state["last"] = value
+            return value
+
+        return factor

@@ -412,7 +412,8 @@ def train_weaver(
     groups = [{"params": [p for p in weaver.parameters() if p.dim() >= 2], "weight_decay": 0.01},
               {"params": [p for p in weaver.parameters() if p.dim() < 2], "weight_decay": 0.0}]  # norms, biases
     optimizer = torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95))
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_multiplier(s, budget.steps, schedule))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, budget.schedule(lambda step, total: lr_multiplier(step, total, schedule)))
     bar = tqdm(total=steps, desc="train-weaver", unit="step", disable=not progress)
     budget.begin()
     step = 0
