@@ -131,6 +131,8 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, k_cache:
 
 
 decode_attention_choice = MeasuredChoice(default="sdpa")
+DECODE_SPLITS = (4, 8, 16, 32, 64)  # cache splits the tree kernel is also timed with (besides its heuristic)
+MIN_KEYS_PER_DECODE_SPLIT = 32  # one key tile of the tree kernel at head dim > 128
 
 
 def decode_attention(
@@ -139,19 +141,27 @@ def decode_attention(
 ) -> torch.Tensor:
     """One new token per row (q [B, 1, H, D], its k, v [B, 1, Hkv, D] already written at `positions` [B, 1]):
     SDPA with a position mask, or the split-KV tree-attention kernel with the token as a one-node tree over
-    the cache's first `positions` slots, whichever measured faster for this shape (`MeasuredChoice`)."""
+    the cache's first `positions` slots (its own split heuristic, or a fixed split count "tree_kernel sN"),
+    whichever measured fastest for this shape (`MeasuredChoice`)."""
     def sdpa() -> torch.Tensor:
         return causal_cache_attention(q, k_cache, v_cache, positions, scale)
 
-    def tree_kernel() -> torch.Tensor:
+    def tree_kernel(splits: int | None = None) -> torch.Tensor:
         itself = torch.ones(q.shape[0], 1, 1, dtype=torch.long, device=q.device)  # ancestor bitset: bit 0
-        return tree_attention(q, k_cache, v_cache, positions[:, 0], k, v, itself, scale)
+        return tree_attention(q, k_cache, v_cache, positions[:, 0], k, v, itself, scale, num_splits=splits)
+
+    def candidates() -> dict:
+        fixed = {f"tree_kernel s{n}": (lambda n=n: tree_kernel(n)) for n in DECODE_SPLITS
+                 if n * MIN_KEYS_PER_DECODE_SPLIT <= k_cache.shape[1]}
+        return {"sdpa": sdpa, "tree_kernel": tree_kernel} | fixed
 
     # Keyed by the power of two above the key count: a caller whose key length changes every step (not a
     # bucket) would otherwise re-time the candidates every step.
     key = (*q.shape, 1 << (k_cache.shape[1] - 1).bit_length(), k_cache.shape[2], q.dtype)
-    name = decode_attention_choice.pick(key, lambda: {"sdpa": sdpa, "tree_kernel": tree_kernel})
-    return tree_kernel() if name == "tree_kernel" else sdpa()
+    name = decode_attention_choice.pick(key, candidates)
+    if name == "sdpa":
+        return sdpa()
+    return tree_kernel(int(name.split(" s")[1]) if " s" in name else None)
 
 
 def additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
