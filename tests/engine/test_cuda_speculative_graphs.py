@@ -56,3 +56,21 @@ def test_graph_step_equals_eager_and_greedy(target, algo: str, budget: int) -> N
     assert ("tree",) in decoders[True].graphs and ("draft", 512) in decoders[True].graphs
     sampled = SamplingParams(temperature=1.0, top_p=0.9)
     assert run(decoders[True], sampled, seed=7) == run(decoders[False], sampled, seed=7)
+
+
+def test_batched_generation_graph_decode_equals_eager(target) -> None:
+    """Data generation's batched decode as CUDA-graph replays (one per key-length bucket) gives the eager
+    decode's tokens row for row, rows crossing the 256-slot bucket included."""
+    from dflash_tfm.engine.batch_generation import BatchGenerator
+
+    cfg, model, _ = target
+    gen = torch.Generator().manual_seed(0)
+    items = [(f"p{i}", torch.randint(0, cfg.vocab_size, (n,), generator=gen).tolist())
+             for i, n in enumerate((5, 240, 17, 100, 9))]
+    outputs = {}
+    for graphs in (True, False):
+        generator = BatchGenerator(model, slots=3, max_len=512, stop_ids=(), use_cuda_graph=graphs)
+        outputs[graphs] = dict(generator.generate(items, 40, SamplingParams(temperature=0.0)))
+        if graphs:
+            assert ("decode", 256) in generator.graphs and ("decode", 512) in generator.graphs
+    assert outputs[True] == outputs[False]

@@ -105,7 +105,8 @@ def generate_training_data(
             summary.resumed += 1
         else:
             todo[prompt.key] = (prompt, ids)
-    generator = BatchGenerator(engine.runner.model, batch_size, engine.max_model_len, engine.eos_token_ids)
+    generator = BatchGenerator(engine.runner.model, batch_size, engine.max_model_len, engine.eos_token_ids,
+                               use_cuda_graph=engine.runner.use_cuda_graph)
     params = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, seed=seed)
     bar = tqdm(total=len(todo), desc=f"generating {out_path.name}", unit="prompt", disable=not progress)
     with out_path.open("a", encoding="utf-8") as out:
