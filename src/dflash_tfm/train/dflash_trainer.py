@@ -111,8 +111,10 @@ def block_loss_and_hits(
     return loss, hits, valid
 
 
-def train_step(drafter: DFlashDrafter, features: torch.Tensor, batch: Batch, decay: torch.Tensor,
-               optim: torch.optim.Optimizer, grad_clip: float, autocast: torch.autocast) -> tuple[torch.Tensor, torch.Tensor]:
+def train_step(
+    drafter: DFlashDrafter, features: torch.Tensor, batch: Batch, decay: torch.Tensor,
+    optim: torch.optim.Optimizer, grad_clip: float, autocast: torch.autocast,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One optimizer step on one batch -> (loss, gradient norm before clipping), both still on the device.
     `features` come from the target in its own dtype, as at inference: outside autocast."""
     with autocast:

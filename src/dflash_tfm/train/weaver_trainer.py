@@ -128,9 +128,10 @@ class FrozenTeacher:
         """Positions L of row i (prompt_len <= L < len(row.ids)) -> one PathBatch, rows in order, each row's
         positions in increasing order.
 
-        One target pass over all rows, or its outputs from `store` (`cache_rows`) (right-padded: causal attention and the GDN recurrence never let a pad
-        token reach an earlier position) and one drafter block forward for every position (the drafter
-        trainer's, equal to `draft` at each L); a row with fewer positions repeats its last one, dropped after.
+        One target pass over all rows (right-padded: causal attention and the GDN recurrence never let a pad
+        token reach an earlier position), or its outputs gathered from `store` (`cache_rows`), and one drafter
+        block forward for every position (the drafter trainer's, equal to `draft` at each L); a row with fewer
+        positions repeats its last one, dropped after.
         """
         R, K = len(rows), self.block - 1
         lengths = torch.tensor([len(r.ids) for r in rows], device=self.device)
