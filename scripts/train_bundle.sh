@@ -69,13 +69,19 @@ join_gguf() {  # the parts staged by earlier calls plus any carried now, in name
 if [[ $PHASES == *gen* ]]; then
   join_gguf
   $PY -c "from dflash_tfm.loading.gguf_file import load_gguf_tokenizer as t; t('$GGUF')"  # convert once, cached
+  # The batched decode runs as CUDA graphs; if their GPU test fails here, generate eagerly rather than lose the call.
+  graph_flag=""
+  if [ "$DEVICE" = cuda ] && ! $PY -m pytest -q -m gpu -p no:cacheprovider tests/engine/test_cuda_speculative_graphs.py \
+      -k batched_generation > "$OUT/gen_graph_test.log" 2>&1; then
+    graph_flag="--disable-cuda-graph"; say "gen: graph decode test failed (gen_graph_test.log): decoding eagerly"
+  fi
   say "gen: $GEN_PROCS shards, $GEN_BATCH sequences each, at most ${GEN_SECONDS} s"
   for i in $(seq 0 $((GEN_PROCS - 1))); do
     temp=0.0; [ "$i" -ge $((GEN_PROCS * 2 / 3)) ] && temp=1.0  # a third of the rows sampled at T = 1
     timeout "$GEN_SECONDS" $PY -m dflash_tfm.train.data --model-path "$GGUF" --prompts-file .stage/prompts.jsonl \
       --out "$WORK/data/d$i.jsonl" --limit "$GEN_LIMIT" --num-shards "$GEN_PROCS" --shard-index "$i" \
       --batch-size "$GEN_BATCH" --max-new-tokens "$GEN_TOKENS" --temperature "$temp" --seed "$i" \
-      --device "$DEVICE" --max-model-len 1536 > "$OUT/gen_$i.log" 2>&1 &
+      --device "$DEVICE" --max-model-len 1536 $graph_flag > "$OUT/gen_$i.log" 2>&1 &
   done
   wait
   $PY -c "import sys; from pathlib import Path; from dflash_tfm.train.data import existing_ids
