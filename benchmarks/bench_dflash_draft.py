@@ -25,7 +25,7 @@ from benchmarks.timing import time_ms
 from dflash_tfm.layers.linear import skinny_projections
 from dflash_tfm.models.presets import QWEN3_6_27B
 from dflash_tfm.models.random_init import init_random_
-from dflash_tfm.spec.dflash import DFlashDrafter
+from dflash_tfm.spec.dflash import DFlashDrafter, block_attention_choice
 from dflash_tfm.spec.dflash_config import DFlashConfig
 
 S, F = "sliding_attention", "full_attention"
@@ -111,6 +111,7 @@ def main() -> None:
             print_kernel_table(lambda: drafter.append_context(commit, ctx - 16), "append 16 context tokens")
     print(f"\n{torch.cuda.get_device_name()}; copy bandwidth {bw / 1e12:.2f} TB/s; drafter weights "
           f"{weight_bytes / 1e9:.2f} GB + lm_head {head_bytes / 1e9:.2f} GB")
+    print("draft attention choices (full-attention layers):", dict(block_attention_choice.choices))
     print("| context | kv_len | draft eager ms | draft graph ms | floor ms | % of floor (graph) | append 16 ms |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:

@@ -160,3 +160,33 @@ def test_triton_decode_attention_choices_equal_sdpa(name: str, triton_device: st
     finally:
         del attention.decode_attention_choice.choices[key]
     assert rel_err(got, expected) <= 1e-4
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("name", ["sdpa", "tree_kernel"])
+def test_triton_drafter_block_attention_choices_agree(name: str, causal: bool, triton_device: str) -> None:
+    """The drafter's block attention with no window in the way (the context before the block + the block, all of
+    it or causally) through either candidate of `block_attention` equals plain attention over those keys."""
+    from dflash_tfm.spec import dflash
+
+    gen = torch.Generator().manual_seed(1)
+    B, Hq, Hkv, D, S, L, kv_len = 8, 8, 2, 32, 128, 37, 64
+    q = torch.randn(1, B, Hq, D, generator=gen).to(triton_device)
+    k_cache, v_cache = (torch.randn(1, S, Hkv, D, generator=gen).to(triton_device) for _ in range(2))
+    positions = torch.arange(L, L + B, device=triton_device).view(1, B)
+    k, v = k_cache[:, L : L + B], v_cache[:, L : L + B]  # the block's K/V, already written at L .. L+B-1
+    window = 1000 if causal else None  # wider than every distance here: only the in-block causality remains
+    visible = dflash.attention_mask(positions[0], torch.arange(kv_len, device=triton_device), window, causal)
+    mask = dflash.additive_mask(visible.repeat(1, 1, Hq // Hkv, 1), q.dtype)
+    keys, values = (t[0, : L + B].repeat_interleave(Hq // Hkv, dim=1) for t in (k_cache, v_cache))
+    scores = torch.einsum("qhd,khd->qhk", q[0], keys).mul(D**-0.5)
+    if causal:  # block query i sees the context and block keys 0 .. i
+        scores = scores.masked_fill(torch.arange(L + B, device=triton_device) > positions[0, :, None, None], float("-inf"))
+    expected = torch.einsum("qhk,khd->qhd", scores.softmax(-1), values)
+    key = (*q.shape, *k_cache.shape[2:], kv_len, causal, q.dtype, q.device)
+    dflash.block_attention_choice.choices[key] = name
+    try:
+        got = dflash.block_attention(q, k, v, k_cache, v_cache, positions, kv_len, mask, D**-0.5, causal)
+    finally:
+        del dflash.block_attention_choice.choices[key]
+    assert rel_err(got.view(B, Hq, D), expected) <= 1e-4

@@ -31,8 +31,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash_tfm.config import ModelConfig
+from dflash_tfm.kernels import tree_attention
 from dflash_tfm.layers.attention import additive_mask, write_kv
 from dflash_tfm.layers.linear import linear
+from dflash_tfm.layers.measured_choice import MeasuredChoice
 from dflash_tfm.layers.mlp import SwiGLU
 from dflash_tfm.layers.norm import RMSNorm
 from dflash_tfm.layers.rotary import RotaryEmbedding
@@ -87,12 +89,17 @@ class DFlashLayer(nn.Module):
         v_cache: torch.Tensor,
         slots: int | torch.Tensor,
         mask: torch.Tensor,
+        context_then_block: bool = False,
+        causal_in_block: bool = False,
     ) -> torch.Tensor:
         """Block h [1, B, H] at positions [1, B] -> [1, B, H].
 
         The block's K/V are written to the cache [1, S, Hkv, D] at their positions, then the queries attend to
         cache slots `slots` (an int n: slots 0..n-1; a tensor: those slot indices) under `mask` [1, 1, G*B, n]
         (the block mask repeated for the G query heads of a kv head, see `grouped_attention`).
+        `context_then_block` says the mask is exactly "every context slot before the block + the block (all of
+        it, or up to the query with `causal_in_block`)", as at inference when no window cuts the keys; then
+        `block_attention` may compute it without the mask.
         """
         batch, T, _ = h.shape
         x = self.input_norm(h)
@@ -100,12 +107,14 @@ class DFlashLayer(nn.Module):
         q = self.q_norm(q.view(batch, T, self.num_heads, self.head_dim))
         k = self.k_norm(k.view(batch, T, self.num_kv_heads, self.head_dim))
         q, k = rope(q, k, positions)
-        write_kv(k, v.view(batch, T, self.num_kv_heads, self.head_dim), positions, k_cache, v_cache)
-        if isinstance(slots, int):
-            keys, values = k_cache[:, :slots], v_cache[:, :slots]
+        v = v.view(batch, T, self.num_kv_heads, self.head_dim)
+        write_kv(k, v, positions, k_cache, v_cache)
+        if context_then_block and isinstance(slots, int):
+            o = block_attention(q, k, v, k_cache, v_cache, positions, slots, mask, self.scale, causal_in_block)
         else:
-            keys, values = k_cache.index_select(1, slots), v_cache.index_select(1, slots)
-        o = grouped_attention(q, keys, values, mask, self.scale)
+            keys, values = (k_cache[:, :slots], v_cache[:, :slots]) if isinstance(slots, int) else \
+                (k_cache.index_select(1, slots), v_cache.index_select(1, slots))
+            o = grouped_attention(q, keys, values, mask, self.scale)
         h, x = self.post_norm.add_forward(h, linear(o, self.o_proj))
         return h + self.mlp(x)
 
@@ -124,6 +133,39 @@ def grouped_attention(
     qg = q.view(b, T, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(b, Hkv, G * T, D)
     o = F.scaled_dot_product_attention(qg, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale)
     return o.view(b, Hkv, G, T, D).permute(0, 3, 1, 2, 4).reshape(b, T, Hq * D)
+
+
+block_attention_choice = MeasuredChoice(default="sdpa")
+
+
+def block_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    positions: torch.Tensor, kv_len: int, mask: torch.Tensor, scale: float, causal_in_block: bool = False,
+) -> torch.Tensor:
+    """Draft attention of the block (q [1, B, Hq, D]; its k, v [1, B, Hkv, D], already written at `positions`
+    [1, B] = L .. L+B-1) over the context slots [0, L) and the block (all of it, or up to each query with
+    `causal_in_block`), which `mask` [1, 1, G*B, kv_len] also says. Either masked SDPA over the first `kv_len`
+    cache slots (`grouped_attention`: Hkv programs, no key split) or the split-KV tree-attention kernel with
+    the block as a tree (a chain when causal, else every node sees every node, as ancestor bitsets),
+    whichever measured faster for the shape (`MeasuredChoice`) -> [1, B, Hq * D]."""
+    def sdpa() -> torch.Tensor:
+        return grouped_attention(q, k_cache[:, :kv_len], v_cache[:, :kv_len], mask, scale)
+
+    def tree_kernel() -> torch.Tensor:
+        b, T, Hq, D = q.shape
+        node = torch.arange(T, device=q.device)
+        seen = (1 << (node + 1)) - 1 if causal_in_block else torch.full_like(node, (1 << T) - 1)
+        bits = seen.view(1, T, 1).expand(b, T, 1).contiguous()
+        return tree_attention(q, k_cache, v_cache, positions[:, 0], k, v, bits, scale).reshape(b, T, Hq * D)
+
+    if q.shape[1] > 63:  # one int64 bitset word per node
+        return sdpa()
+    key = (*q.shape, *k_cache.shape[2:], kv_len, causal_in_block, q.dtype, q.device)
+    if q.is_cuda:
+        name = block_attention_choice.pick(key, lambda: {"sdpa": sdpa, "tree_kernel": tree_kernel})
+    else:  # nothing to time on the CPU; a choice set by hand (tests) still applies
+        name = block_attention_choice.choices.get(key, "sdpa")
+    return tree_kernel() if name == "tree_kernel" else sdpa()
 
 
 def attention_mask(
@@ -241,8 +283,12 @@ class DFlashDrafter(nn.Module):
         h = F.embedding(ids, self.embed_tokens).unsqueeze(0)
         qpos = self._block_offsets + position  # [B]
         keys = {sliding: self._key_set(qpos, kv_len, sliding) for sliding in {layer.sliding for layer in self.layers}}
+        cfg = self.config
+        unwindowed = kv_len <= (cfg.sliding_window or 0)  # every slot < kv_len is within the window of every query
         for layer, (k_cache, v_cache) in zip(self.layers, self.caches):
-            h = layer(h, qpos.view(1, B), self.rope, k_cache, v_cache, *keys[layer.sliding])
+            h = layer(h, qpos.view(1, B), self.rope, k_cache, v_cache, *keys[layer.sliding],
+                      context_then_block=not layer.sliding or unwindowed,
+                      causal_in_block=layer.sliding and cfg.causal_sliding_in_block)
         hidden = self.norm(h)[:, 1:]
         return linear(hidden, self.lm_head_weight).float(), hidden
 
