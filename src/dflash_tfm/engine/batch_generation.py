@@ -60,7 +60,7 @@ class BatchGenerator:
         # Static decode-step buffers (the graphs read and write these addresses).
         self._ids = torch.zeros(slots, 1, dtype=torch.long, device=self.device)
         self._positions = torch.zeros(slots, 1, dtype=torch.long, device=self.device)
-        self._logits = torch.zeros(slots, model.config.vocab_size, dtype=torch.float32, device=self.device)
+        self._logits: torch.Tensor | None = None  # [slots, V] fp32, allocated by the first (eager) step
 
     def _decode(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """One token per row (tokens [slots], positions [slots, 1] on the host) -> fp32 logits [slots, V];
@@ -72,7 +72,10 @@ class BatchGenerator:
 
         def step() -> None:
             hidden, _ = self.model(self._ids, self._positions, self.cache, kv_len=kv_len)
-            self._logits.copy_(self.model.logits(hidden[:, -1]))
+            logits = self.model.logits(hidden[:, -1])
+            if self._logits is None:
+                self._logits = torch.empty_like(logits)
+            self._logits.copy_(logits)
 
         self.graphs.run(("decode", kv_len), step, advances_state=True)
         return self._logits
