@@ -100,3 +100,31 @@ def test_decode_steps_read_a_bucketed_key_length(model, monkeypatch) -> None:
 def test_key_length_bucket() -> None:
     assert [key_length_bucket(p, 4096) for p in (0, 255, 256, 1000, 4095)] == [256, 256, 512, 1024, 4096]
     assert key_length_bucket(300, 320) == 320
+
+
+class ReplayedFirstCapture:
+    """Stands in for `PhaseGraphs` on the CPU with a CUDA graph's semantics: a key's first call runs for real
+    (state-advancing phase) and is what every later call of that key "replays" — the first closure, reading
+    whatever its static buffers hold then. A step that depended on anything but those buffers would go wrong."""
+
+    enabled = True
+
+    def __init__(self) -> None:
+        self.captured: dict[tuple, object] = {}
+
+    def __contains__(self, key: tuple) -> bool:
+        return key in self.captured
+
+    def run(self, key: tuple, phase, advances_state: bool = False) -> None:
+        assert advances_state
+        self.captured.setdefault(key, phase)()
+
+
+def test_decode_steps_replayed_from_static_buffers_equal_eager(model) -> None:
+    items = prompts(6, seed=2)
+    eager_generator = BatchGenerator(model, 3, MAX_LEN, stop_ids=(), use_cuda_graph=False)
+    eager = dict(eager_generator.generate(items, 10, SamplingParams()))
+    generator = BatchGenerator(model, 3, MAX_LEN, stop_ids=())
+    generator.graphs = ReplayedFirstCapture()
+    assert dict(generator.generate(items, 10, SamplingParams())) == eager
+    assert list(generator.graphs.captured) == [("decode", MAX_LEN)]
