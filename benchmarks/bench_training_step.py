@@ -7,7 +7,7 @@ Measured with CUDA events after warm-up (median), per step of the bundle's recip
   * Weaver: 32 positions (4 per row); the frozen teacher's `paths` (drafter blocks, target logits, pools) with
     and without the store, and `train_step`.
 
-    python -m benchmarks.bench_training_step --data .stage/data/d*.jsonl --out $OUT/training_step.json [--profile]
+    python -m benchmarks.bench_training_step [--data .stage/data/d*.jsonl] --out $OUT/training_step.json [--profile]
 
 --profile also prints the kernels of one drafter step and one Weaver step (teacher + train_step).
 """
@@ -18,8 +18,10 @@ import json
 import os
 import random
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -54,9 +56,23 @@ def wall_ms(fn: Callable[[], object], iters: int, warmup: int = 0) -> float:
     return statistics.median(times)
 
 
+def write_synthetic_rows(path: Path, count: int, vocab: int) -> Path:
+    """`count` rows in gen-data's format: 20-200 prompt and 50-256 response tokens, uniform random ids."""
+    pick = random.Random(0)
+    with path.open("w") as f:
+        for i in range(count):
+            row = {"id": i, "source": "synthetic",
+                   "prompt_ids": [pick.randrange(vocab) for _ in range(pick.randint(20, 200))],
+                   "response_ids": [pick.randrange(vocab) for _ in range(pick.randint(50, 256))]}
+            f.write(json.dumps(row) + "\n")
+    return path
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--data", nargs="+", required=True)
+    ap.add_argument("--data", nargs="+", default=None,
+                    help="gen-data JSONL rows (default: --synthetic-rows random rows, as good for timing random weights)")
+    ap.add_argument("--synthetic-rows", type=int, default=1500)
     ap.add_argument("--max-len", type=int, default=768)
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--rows", type=int, default=None, help="use only the first N rows (a quick check)")
@@ -78,6 +94,8 @@ def main() -> None:
     result: dict = {}
 
     # ---- drafter
+    if args.data is None:
+        args.data = [write_synthetic_rows(Path(tempfile.mkdtemp()) / "rows.jsonl", args.synthetic_rows, cfg.vocab_size)]
     rows = dflash_trainer.load_rows(args.data, args.max_len)[: args.rows]
     features = TargetFeatures(target, raw["dflash_config"]["target_layer_ids"], args.max_len)
     sync()

@@ -2,13 +2,13 @@
 # Everything that needs the GPU, in one call on the device machine (H200): GPU tests at real sizes, then
 # the benchmarks. Logs and JSON land in $OUT (default ./out); a short table is printed last.
 #   device run:  bash scripts/gpu_check.sh            (carry: .whl with fla-core and gguf wheels)
-# Set GPU_CHECK_PARTS to a subset of "tests kernels tree ar verify draft spec profile" to run only those parts, GPU_TESTS to
+# Set GPU_CHECK_PARTS to a subset of "tests kernels tree ar verify draft spec profile train" to run only those parts, GPU_TESTS to
 # test paths. All parts take longer than one 10-minute device call: e.g. "tests" in one call, "ar verify spec
 # profile" in the next (the first call of each process also times the measured kernel choices).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}; mkdir -p "$OUT"
-PARTS=${GPU_CHECK_PARTS:-"tests kernels tree ar verify draft spec profile"}
+PARTS=${GPU_CHECK_PARTS:-"tests kernels tree ar verify draft spec profile train"}
 export PYTHONUNBUFFERED=1
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -40,5 +40,6 @@ run() {  # name, command...
 [[ $PARTS == *profile* ]] && run bench_projection_kernels python3 -m benchmarks.bench_projection_kernels
 [[ $PARTS == *profile* ]] && run profile_decode python3 -m benchmarks.profile_decode_step
 [[ $PARTS == *profile* ]] && run profile_verify python3 -m benchmarks.profile_decode_step --verify-nodes 65
+[[ $PARTS == *train* ]] && run bench_training_step python3 -m benchmarks.bench_training_step --out "$OUT/training_step.json"
 echo; cat "$OUT/summary.txt"
 exit $status
