@@ -17,16 +17,14 @@ import argparse
 import json
 import os
 import random
-import statistics
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from benchmarks.kernel_profile import print_kernel_table
-from benchmarks.timing import time_ms
+from benchmarks.timing import time_ms, wall_ms
 from dflash_tfm.config import ModelConfig
 from dflash_tfm.loading.loader import build_model
 from dflash_tfm.models.presets import SMOLLM2_135M
@@ -42,18 +40,6 @@ from dflash_tfm.train.weaver_trainer import FrozenTeacher, PositionSampler, new_
 def sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-
-
-def wall_ms(fn: Callable[[], object], iters: int, warmup: int = 0) -> float:
-    """Median wall-clock milliseconds per call (CPU runs of this script only check that it works)."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        times.append(1e3 * (time.perf_counter() - t0))
-    return statistics.median(times)
 
 
 def write_synthetic_rows(path: Path, count: int, vocab: int) -> Path:
@@ -103,7 +89,7 @@ def main() -> None:
     store = FeatureStore(features, [r.tokens for r in rows], with_hidden=True)
     sync()
     result["store_seconds"] = time.perf_counter() - t0
-    result["store_gib"] = (store.features.numel() + store.hidden.numel()) * 2 / 2**30
+    result["store_gib"] = sum(t.numel() * t.element_size() for t in (store.features, store.hidden)) / 2**30
     print(f"feature store: {len(rows)} rows, {store.features.shape[0]} tokens, {result['store_gib']:.2f} GiB, "
           f"{result['store_seconds']:.1f} s")
     gen = torch.Generator().manual_seed(0)

@@ -1,7 +1,9 @@
-"""GPU timing helpers shared by the benchmark scripts (CUDA events / graph replay, medians after warm-up)."""
+"""Timing helpers shared by the benchmark scripts (CUDA events / graph replay, medians after warm-up; wall clock
+for CPU check runs)."""
 from __future__ import annotations
 
 import statistics
+import time
 from collections.abc import Callable
 
 import torch
@@ -19,6 +21,19 @@ def time_ms(fn: Callable[[], object], iters: int, warmup: int = 0) -> float:
         b.record()
         b.synchronize()
         times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def wall_ms(fn: Callable[[], object], iters: int, warmup: int = 0) -> float:
+    """Median wall-clock milliseconds of fn() after `warmup` calls: `time_ms` for a CPU run (which only checks
+    that a script works)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        times.append(1e3 * (time.perf_counter() - t0))
     return statistics.median(times)
 
 

@@ -117,3 +117,19 @@ def test_measured_choice_leaves_out_a_candidate_that_fails(monkeypatch) -> None:
     assert "does not compile" in choice.failures["k"]["fast"]
     with pytest.raises(RuntimeError):
         MeasuredChoice(default="fast").pick("k", lambda: {"fast": broken})
+
+
+def test_measured_choice_times_nothing_it_cannot_time(monkeypatch) -> None:
+    """can_time=False (tensors not on CUDA): the default without timing or deciding, or a choice already set."""
+    import triton.testing
+
+    def no_timing(fn, **kw):
+        raise AssertionError("nothing may be timed")
+
+    monkeypatch.setattr(triton.testing, "do_bench_cudagraph", no_timing)
+    monkeypatch.setattr(measured_choice.torch.cuda, "is_current_stream_capturing", lambda: False)
+    choice = MeasuredChoice(default="a")
+    assert choice.pick("k", lambda: {"a": lambda: "a", "b": lambda: "b"}, can_time=False) == "a"
+    assert "k" not in choice.choices
+    choice.choices["k"] = "b"
+    assert choice.pick("k", lambda: {}, can_time=False) == "b"

@@ -131,7 +131,8 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, k_cache:
 
 
 decode_attention_choice = MeasuredChoice(default="sdpa")
-DECODE_SPLITS = (4, 8, 16, 32, 64)  # cache splits the tree kernel is also timed with (besides its heuristic)
+# Cache splits the tree kernel is also timed with (besides its own heuristic), by candidate name.
+DECODE_SPLITS = {f"tree_kernel s{n}": n for n in (4, 8, 16, 32, 64)}
 MIN_KEYS_PER_DECODE_SPLIT = 32  # one key tile of the tree kernel at head dim > 128
 
 
@@ -151,7 +152,7 @@ def decode_attention(
         return tree_attention(q, k_cache, v_cache, positions[:, 0], k, v, itself, scale, num_splits=splits)
 
     def candidates() -> dict:
-        fixed = {f"tree_kernel s{n}": (lambda n=n: tree_kernel(n)) for n in DECODE_SPLITS
+        fixed = {name: (lambda n=n: tree_kernel(n)) for name, n in DECODE_SPLITS.items()
                  if n * MIN_KEYS_PER_DECODE_SPLIT <= k_cache.shape[1]}
         return {"sdpa": sdpa, "tree_kernel": tree_kernel} | fixed
 
@@ -159,9 +160,7 @@ def decode_attention(
     # bucket) would otherwise re-time the candidates every step.
     key = (*q.shape, 1 << (k_cache.shape[1] - 1).bit_length(), k_cache.shape[2], q.dtype)
     name = decode_attention_choice.pick(key, candidates)
-    if name == "sdpa":
-        return sdpa()
-    return tree_kernel(int(name.split(" s")[1]) if " s" in name else None)
+    return sdpa() if name == "sdpa" else tree_kernel(DECODE_SPLITS.get(name))
 
 
 def additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -27,13 +27,15 @@ class MeasuredChoice:
         self.choices: dict[Hashable, str] = {}
         self.failures: dict[Hashable, dict[str, str]] = {}
 
-    def pick(self, key: Hashable, candidates: Callable[[], dict[str, Callable[[], object]]]) -> str:
-        """The name of the fastest candidate for `key` (timed now if unseen), or the default during a capture.
-        `candidates()` builds the name -> callable map; it is only called when there is something to time.
-        A candidate that raises while being timed (a kernel that does not compile on this GPU, say) is left
-        out and its error kept in `failures`; the default must work."""
+    def pick(self, key: Hashable, candidates: Callable[[], dict[str, Callable[[], object]]],
+             can_time: bool = True) -> str:
+        """The name of the fastest candidate for `key` (timed now if unseen), or the default during a capture
+        or when the caller's tensors cannot be timed (`can_time=False`: not on CUDA; a choice already recorded
+        for the key, e.g. set by a test, still applies). `candidates()` builds the name -> callable map; it is
+        only called when there is something to time. A candidate that raises while being timed (a kernel that
+        does not compile on this GPU, say) is left out and its error kept in `failures`; the default must work."""
         if key not in self.choices:
-            if torch.cuda.is_current_stream_capturing():
+            if not can_time or torch.cuda.is_current_stream_capturing():
                 return self.default
             from triton.testing import do_bench_cudagraph
 

@@ -161,10 +161,7 @@ def block_attention(
     if q.shape[1] > 63:  # one int64 bitset word per node
         return sdpa()
     key = (*q.shape, *k_cache.shape[2:], kv_len, causal_in_block, q.dtype, q.device)
-    if q.is_cuda:
-        name = block_attention_choice.pick(key, lambda: {"sdpa": sdpa, "tree_kernel": tree_kernel})
-    else:  # nothing to time on the CPU; a choice set by hand (tests) still applies
-        name = block_attention_choice.choices.get(key, "sdpa")
+    name = block_attention_choice.pick(key, lambda: {"sdpa": sdpa, "tree_kernel": tree_kernel}, can_time=q.is_cuda)
     return tree_kernel() if name == "tree_kernel" else sdpa()
 
 
