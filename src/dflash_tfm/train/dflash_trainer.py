@@ -37,6 +37,7 @@ from dflash_tfm.spec.dflash_config import drafter_config_dict
 from dflash_tfm.train.dflash_checkpoint import build_trainable_drafter, default_mask_token_id, save_drafter
 from dflash_tfm.train.dflash_forward import block_forward
 from dflash_tfm.train.step_budget import StepBudget
+from dflash_tfm.train.validation_split import split_validation
 from dflash_tfm.train.target_features import FeatureStore, TargetFeatures, store_fits
 
 IGNORE = -100
@@ -44,10 +45,12 @@ IGNORE = -100
 
 @dataclass
 class Row:
-    """One training sequence: prompt + response token ids (truncated to max_len) and where the response starts."""
+    """One training sequence: prompt + response token ids (truncated to max_len), where the response starts,
+    and the data row's id (it decides the validation split)."""
 
     tokens: list[int]
     prompt_len: int
+    key: str = ""
 
 
 def load_rows(paths: str | Path | list[str | Path], max_len: int) -> list[Row]:
@@ -63,7 +66,7 @@ def load_rows(paths: str | Path | list[str | Path], max_len: int) -> list[Row]:
             prompt = list(raw["prompt_ids"])
             tokens = (prompt + list(raw["response_ids"]))[:max_len]
             if len(tokens) - len(prompt) >= 2:
-                rows.append(Row(tokens, len(prompt)))
+                rows.append(Row(tokens, len(prompt), str(raw.get("id", tokens))))
     return rows
 
 
@@ -255,9 +258,7 @@ def train_dflash(
     """
     budget = StepBudget(steps, time_budget_s)
     rows = load_rows(data_path, max_len)  # before the target loads: a bad data path fails fast
-    order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed)).tolist()
-    n_val = min(len(rows) - 1, round(val_frac * len(rows))) if val_frac > 0 else 0
-    val_rows, train_rows = [rows[i] for i in order[:n_val]], [rows[i] for i in order[n_val:]]
+    val_rows, train_rows = split_validation(rows, lambda r: r.key, val_frac)
     if not train_rows:
         raise ValueError(f"no usable training rows in {data_path} (need >= 2 response tokens within max_len)")
     if isinstance(target, CausalLM):

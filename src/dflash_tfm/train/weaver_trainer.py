@@ -46,6 +46,7 @@ from dflash_tfm.spec.dflash import DFlashDrafter
 from dflash_tfm.spec.weaver import SPECULATOR_KIND, Weaver, WeaverConfig, WeaverNorm, load_weaver
 from dflash_tfm.train.dflash_forward import block_forward
 from dflash_tfm.train.step_budget import StepBudget
+from dflash_tfm.train.validation_split import split_validation
 from dflash_tfm.train.target_features import FeatureStore, TargetFeatures, store_fits
 
 SCHEDULES = ("wsd", "cosine", "constant")
@@ -56,10 +57,12 @@ VAL_ROWS_PER_PASS = 8  # rows per target pass when the held-out positions are co
 
 @dataclass
 class TrainRow:
-    """One training sequence: prompt + target-generated response token ids, and where the response starts."""
+    """One training sequence: prompt + target-generated response token ids, where the response starts, and
+    the data row's id (it decides the validation split)."""
 
     ids: list[int]
     prompt_len: int
+    key: str = ""
 
 
 def read_rows(paths: str | Path | list[str | Path], max_seq_len: int) -> list[TrainRow]:
@@ -80,7 +83,7 @@ def read_rows(paths: str | Path | list[str | Path], max_seq_len: int) -> list[Tr
                 raise ValueError(f"{path}:{n}: expected integer lists 'prompt_ids' and 'response_ids'")
             ids = (prompt + response)[:max_seq_len]
             if 1 <= len(prompt) < len(ids):
-                rows.append(TrainRow(ids, len(prompt)))
+                rows.append(TrainRow(ids, len(prompt), str(raw.get("id", ids))))
     if not rows:
         raise ValueError(f"{paths}: no usable rows (need a non-empty prompt and response)")
     return rows
@@ -360,7 +363,7 @@ def train_weaver(
 
     A batch holds ``batch_size`` draft positions, ``positions_per_row`` per row. ``device`` defaults to the
     target's; ``dtype`` is the Weaver's training dtype (keep fp32: AdamW master weights; the saved file is fp32
-    and ``load_weaver`` casts it). ``val_frac`` of the rows (at least one) is held out and evaluated before
+    and ``load_weaver`` casts it). ``val_frac`` of the rows (at least one; chosen by id, ``split_validation``) is held out and evaluated before
     training, every ``eval_every`` steps (0: never in between) and at the end. AdamW (0.9, 0.95), weight decay
     0.01 on matrices only, gradient clipping at 1.0. Callers on CUDA should set ``DFLASH_TFM_COMPILE=0`` (``main``
     does): every row has a new length, and compiling the frozen models' fused helpers per shape costs more than it
@@ -381,9 +384,8 @@ def train_weaver(
     budget = StepBudget(steps, time_budget_s)
     rng = random.Random(seed)
     rows = read_rows(data_path, max_seq_len)
-    rng.shuffle(rows)
-    n_val = max(1, round(val_frac * len(rows))) if len(rows) > 1 else 0
-    val_rows, train_rows = rows[:n_val] or rows, rows[n_val:] or rows
+    val_rows, train_rows = split_validation(rows, lambda r: r.key, max(val_frac, 1e-9))
+    val_rows = val_rows or train_rows  # a single row is both
     teacher = FrozenTeacher(target, drafter, pool_size, max(len(r.ids) for r in rows))
     if cache_features is None:
         width = target.config.hidden_size * (1 + len(drafter.config.target_layer_ids))
