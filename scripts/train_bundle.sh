@@ -68,7 +68,10 @@ fi
 join_gguf() {  # the parts staged by earlier calls plus any carried now, in name order
   [ -f "$GGUF" ] && return 0
   mkdir -p /tmp/smol && cp .stage/smol/part_* /tmp/smol/ 2>/dev/null
-  cat /tmp/smol/part_* > "$GGUF.tmp" && mv "$GGUF.tmp" "$GGUF" || { say "cannot join the GGUF"; exit 1; }
+  cat /tmp/smol/part_* > "$GGUF.tmp" || { say "cannot join the GGUF"; exit 1; }
+  # A part missing (a staging call that landed on a fresh machine) leaves no GGUF header: stop, keep no file.
+  [ "$(head -c 4 "$GGUF.tmp")" = GGUF ] || { rm -f "$GGUF.tmp"; say "GGUF parts missing: have $(ls /tmp/smol)"; exit 1; }
+  mv "$GGUF.tmp" "$GGUF"
   sha256sum "$GGUF" | tee -a "$OUT/train_bundle.txt"
 }
 
