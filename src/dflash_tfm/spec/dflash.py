@@ -23,6 +23,7 @@ shapes and no host sync: `position` may be a device tensor and the whole step ca
 """
 from __future__ import annotations
 
+from functools import lru_cache
 from pathlib import Path
 from typing import Callable, Protocol
 
@@ -138,6 +139,16 @@ def grouped_attention(
 block_attention_choice = MeasuredChoice(default="sdpa")
 
 
+@lru_cache(maxsize=None)
+def block_bitsets(batch: int, T: int, causal: bool, device: torch.device) -> torch.Tensor:
+    """Ancestor bitsets [batch, T, 1] of the block as a tree: a chain when `causal`, else every node sees every
+    node. The same for every layer and every draft, so built once and only read afterwards; the first call is
+    never under a capture (the choice's timing and `PhaseGraphs` both run a phase eagerly first)."""
+    node = torch.arange(T, device=device)
+    seen = (1 << (node + 1)) - 1 if causal else torch.full_like(node, (1 << T) - 1)
+    return seen.view(1, T, 1).expand(batch, T, 1).contiguous()
+
+
 def block_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     positions: torch.Tensor, kv_len: int, mask: torch.Tensor, scale: float, causal_in_block: bool = False,
@@ -153,9 +164,7 @@ def block_attention(
 
     def tree_kernel() -> torch.Tensor:
         b, T, Hq, D = q.shape
-        node = torch.arange(T, device=q.device)
-        seen = (1 << (node + 1)) - 1 if causal_in_block else torch.full_like(node, (1 << T) - 1)
-        bits = seen.view(1, T, 1).expand(b, T, 1).contiguous()
+        bits = block_bitsets(b, T, causal_in_block, q.device)
         return tree_attention(q, k_cache, v_cache, positions[:, 0], k, v, bits, scale).reshape(b, T, Hq * D)
 
     if q.shape[1] > 63:  # one int64 bitset word per node

@@ -37,8 +37,8 @@ from dflash_tfm.spec.dflash_config import drafter_config_dict
 from dflash_tfm.train.dflash_checkpoint import build_trainable_drafter, default_mask_token_id, save_drafter
 from dflash_tfm.train.dflash_forward import block_forward
 from dflash_tfm.train.step_budget import StepBudget
-from dflash_tfm.train.validation_split import split_validation
 from dflash_tfm.train.target_features import FeatureStore, TargetFeatures, store_fits
+from dflash_tfm.train.validation_split import split_validation
 
 IGNORE = -100
 

@@ -46,8 +46,8 @@ from dflash_tfm.spec.dflash import DFlashDrafter
 from dflash_tfm.spec.weaver import SPECULATOR_KIND, Weaver, WeaverConfig, WeaverNorm, load_weaver
 from dflash_tfm.train.dflash_forward import block_forward
 from dflash_tfm.train.step_budget import StepBudget
-from dflash_tfm.train.validation_split import split_validation
 from dflash_tfm.train.target_features import FeatureStore, TargetFeatures, store_fits
+from dflash_tfm.train.validation_split import split_validation
 
 SCHEDULES = ("wsd", "cosine", "constant")
 WARMUP_FRAC, DECAY_FRAC = 0.04, 0.2  # WSD: 4 % linear warm-up, flat, linear decay to 0 over the last 20 %
@@ -362,15 +362,15 @@ def train_weaver(
     """Train a Weaver of the given shape for ``target`` + ``drafter`` (both frozen) and save it to ``out_path``.
 
     A batch holds ``batch_size`` draft positions, ``positions_per_row`` per row. ``device`` defaults to the
-    target's; ``dtype`` is the Weaver's training dtype (keep fp32: AdamW master weights; the saved file is fp32
-    and ``load_weaver`` casts it). ``val_frac`` of the rows (at least one; chosen by id, ``split_validation``) is held out and evaluated before
-    training, every ``eval_every`` steps (0: never in between) and at the end. AdamW (0.9, 0.95), weight decay
-    0.01 on matrices only, gradient clipping at 1.0. Callers on CUDA should set ``DFLASH_TFM_COMPILE=0`` (``main``
-    does): every row has a new length, and compiling the frozen models' fused helpers per shape costs more than it
-    saves. ``time_budget_s`` fits ``steps`` to a wall-clock budget (``StepBudget``). ``init_from`` continues a
-    saved Weaver (its shape wins over the shape arguments; the optimizer starts fresh), so a run can span
-    several time-limited jobs. ``cache_features``: run the target once over all rows and keep its outputs
-    (``FrozenTeacher.cache_rows``); None = when they fit (``store_fits``).
+    target's; ``dtype`` is the Weaver's training dtype (keep fp32: AdamW master weights; the saved file is fp32 and
+    ``load_weaver`` casts it). ``val_frac`` of the rows (at least one; chosen by id, ``split_validation``) is held
+    out and evaluated before training, every ``eval_every`` steps (0: never in between) and at the end. AdamW (0.9,
+    0.95), weight decay 0.01 on matrices only, gradient clipping at 1.0. Callers on CUDA should set
+    ``DFLASH_TFM_COMPILE=0`` (``main`` does): every row has a new length, and compiling the frozen models' fused
+    helpers per shape costs more than it saves. ``time_budget_s`` fits ``steps`` to a wall-clock budget
+    (``StepBudget``). ``init_from`` continues a saved Weaver (its shape wins over the shape arguments; the optimizer
+    starts fresh), so a run can span several time-limited jobs. ``cache_features``: run the target once over all
+    rows and keep its outputs (``FrozenTeacher.cache_rows``); None = when they fit (``store_fits``).
     """
     if variant not in (1, 2):
         raise ValueError(f"variant must be 1 (swiglu, rotary) or 2 (gelu, pos_emb), got {variant}")
@@ -384,8 +384,10 @@ def train_weaver(
     budget = StepBudget(steps, time_budget_s)
     rng = random.Random(seed)
     rows = read_rows(data_path, max_seq_len)
+    # At least one row is held out, even at val_frac 0 (the smallest positive fraction keeps one); a single row
+    # is both.
     val_rows, train_rows = split_validation(rows, lambda r: r.key, max(val_frac, 1e-9))
-    val_rows = val_rows or train_rows  # a single row is both
+    val_rows = val_rows or train_rows
     teacher = FrozenTeacher(target, drafter, pool_size, max(len(r.ids) for r in rows))
     if cache_features is None:
         width = target.config.hidden_size * (1 + len(drafter.config.target_layer_ids))
