@@ -32,6 +32,7 @@ from dflash_tfm.models.random_init import init_random_
 from dflash_tfm.spec.dflash_config import drafter_config_dict
 from dflash_tfm.train import dflash_trainer, weaver_trainer
 from dflash_tfm.train.dflash_checkpoint import build_trainable_drafter
+from dflash_tfm.train.rows import read_rows
 from dflash_tfm.train.target_features import FeatureStore, TargetFeatures
 from dflash_tfm.spec.weaver import WeaverConfig
 from dflash_tfm.train.weaver_trainer import FrozenTeacher, PositionSampler, new_weaver
@@ -82,7 +83,7 @@ def main() -> None:
     # ---- drafter
     if args.data is None:
         args.data = [write_synthetic_rows(Path(tempfile.mkdtemp()) / "rows.jsonl", args.synthetic_rows, cfg.vocab_size)]
-    rows = dflash_trainer.load_rows(args.data, args.max_len)[: args.rows]
+    rows = read_rows(args.data, args.max_len, min_response=2)[: args.rows]
     features = TargetFeatures(target, raw["dflash_config"]["target_layer_ids"], args.max_len)
     sync()
     t0 = time.perf_counter()
@@ -126,7 +127,7 @@ def main() -> None:
         print_kernel_table(drafter_step, "drafter step (store gather + train_step)")
 
     # ---- Weaver
-    wrows = weaver_trainer.read_rows(args.data, args.max_len)[: args.rows]
+    wrows = read_rows(args.data, args.max_len)[: args.rows]
     drafter.to(dtype)  # Weaver training loads the saved drafter in the target's dtype
     teacher = FrozenTeacher(target, drafter, 512, args.max_len)
     wcfg = WeaverConfig.from_dict(dict(d_model=cfg.hidden_size, d_embed=cfg.hidden_size, d_rank=384, num_layers=1,

@@ -21,7 +21,8 @@ from dflash_tfm.models.random_init import init_random_
 from dflash_tfm.spec.dflash import attention_mask, load_dflash_drafter
 from dflash_tfm.train.dflash_checkpoint import default_mask_token_id
 from dflash_tfm.train.dflash_forward import block_attention_mask, block_forward
-from dflash_tfm.train.dflash_trainer import load_rows, main, train_dflash
+from dflash_tfm.train.dflash_trainer import main, train_dflash
+from dflash_tfm.train.rows import read_rows
 from dflash_tfm.train.target_features import TargetFeatures
 from tests.train.tiny_chat import save_tiny_chat_model
 
@@ -69,11 +70,11 @@ def data_file(target, tmp_path_factory) -> Path:
     return path
 
 
-def test_load_rows_truncates_and_skips_a_torn_last_line(tmp_path):
+def test_read_rows_for_the_drafter_truncates_and_skips_a_torn_last_line(tmp_path):
     path = tmp_path / "rows.jsonl"
     full = [{"prompt_ids": [1, 2, 3], "response_ids": [4, 5, 6, 7]}, {"prompt_ids": [1] * 9, "response_ids": [2, 3]}]
     path.write_text("".join(json.dumps(r) + "\n" for r in full) + '{"prompt_ids": [1, 2], "resp')
-    rows = load_rows(path, max_len=6)
+    rows = read_rows(path, max_len=6, min_response=2)
     assert [(r.tokens, r.prompt_len) for r in rows] == [([1, 2, 3, 4, 5, 6], 3)]  # the 2nd has no response left
 
 
@@ -97,7 +98,7 @@ def test_training_forward_equals_draft_of_saved_checkpoint(target, data_file, tm
     trained = result.drafter.eval()
     loaded = load_dflash_drafter(tmp_path / "d", target, target.config, "cpu", torch.float32, max_len=MAX_LEN)
     assert loaded.config.causal_sliding_in_block == causal
-    rows = load_rows(data_file, MAX_LEN)[:2]
+    rows = read_rows(data_file, MAX_LEN)[:2]
     tokens = torch.tensor([r.tokens for r in rows])
     anchors = torch.tensor([[8, 11, 20, 30], [9, 10, 25, 36]])  # adjacent, overlapping and late blocks
     feats = TargetFeatures(target, loaded.config.target_layer_ids, MAX_LEN)(tokens)

@@ -20,9 +20,8 @@ from dflash_tfm.models.random_init import init_random_
 from dflash_tfm.spec.dflash import DFlashDrafter, load_dflash_drafter
 from dflash_tfm.spec.fixtures import write_random_dflash_checkpoint
 from dflash_tfm.spec.weaver import Weaver, WeaverConfig, load_weaver
-from dflash_tfm.train.weaver_trainer import (
-    FrozenTeacher, TrainRow, lr_multiplier, main, new_weaver, path_log_probs, read_rows, train_weaver,
-)
+from dflash_tfm.train.rows import TrainRow, read_rows
+from dflash_tfm.train.weaver_trainer import FrozenTeacher, lr_multiplier, main, new_weaver, path_log_probs, train_weaver
 
 BLOCK, VOCAB = 8, 160
 BASE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, rms_norm_eps=1e-6, max_position_embeddings=128)
@@ -148,15 +147,15 @@ def test_teacher_batch_equals_inference_per_row(setups, arch: str, cached: bool)
     L (context appended up to L)."""
     s = setups(arch)
     rows = read_rows(s.data, 64)[1:3]
-    rows[1] = TrainRow(rows[1].ids[:-7], rows[1].prompt_len)  # a shorter row: the first one is padded past it
-    positions = [[rows[0].prompt_len, rows[0].prompt_len + 5, len(rows[0].ids) - 2], [len(rows[1].ids) - 3]]
+    rows[1] = TrainRow(rows[1].tokens[:-7], rows[1].prompt_len)  # a shorter row: the first one is padded past it
+    positions = [[rows[0].prompt_len, rows[0].prompt_len + 5, len(rows[0].tokens) - 2], [len(rows[1].tokens) - 3]]
     teacher = FrozenTeacher(s.model, s.drafter, 128, 64)
     if cached:
         teacher.cache_rows(rows, progress=False)
     batch = teacher.paths(rows, positions)
     i = 0
     for row, row_positions in zip(rows, positions):
-        T, ids = len(row.ids), torch.tensor(row.ids)
+        T, ids = len(row.tokens), torch.tensor(row.tokens)
         cache = ModelCache(s.cfg, 64, 1, torch.float32, torch.device("cpu"))
         hidden, taps = s.model(ids.view(1, T), torch.arange(T).view(1, T), cache, kv_len=T,
                                tap_layers=tuple(s.drafter.config.target_layer_ids))
@@ -196,7 +195,7 @@ def test_batched_chain_equals_node_by_node_expansion(setups, activation: str) ->
     s = setups("llama")
     rows = read_rows(s.data, 64)
     teacher = FrozenTeacher(s.model, s.drafter, 128, 64)
-    batch = teacher.paths(rows[:1], [[rows[0].prompt_len, len(rows[0].ids) - 3]])  # the second path is cut short
+    batch = teacher.paths(rows[:1], [[rows[0].prompt_len, len(rows[0].tokens) - 3]])  # the second path is cut short
     assert batch.valid[1].tolist() == [True] * 3 + [False] * (BLOCK - 4)
     cfg = WeaverConfig.from_dict(dict(d_model=64, d_embed=64, d_rank=32, num_layers=2, num_heads=2, mlp_dim=64,
                                       K=BLOCK - 1, candidate_pool_size=128, activation=activation))
@@ -245,7 +244,7 @@ def test_read_rows_skips_a_cut_off_last_line_and_rejects_malformed_ones(tmp_path
     first, second = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
     first.write_text('{"prompt_ids": [1, 2], "response_ids": [3, 4, 5], "id": "x:1"}\n{"prompt_ids": [9], "respo')
     second.write_text('{"prompt_ids": [7], "response_ids": []}\n{"prompt_ids": [7], "response_ids": [8]}\n')
-    assert [(r.ids, r.prompt_len) for r in read_rows([first, second], 4)] == [([1, 2, 3, 4], 2), ([7, 8], 1)]
+    assert [(r.tokens, r.prompt_len) for r in read_rows([first, second], 4)] == [([1, 2, 3, 4], 2), ([7, 8], 1)]
 
 
 def test_cli_missing_data_is_one_line_error(capsys, tmp_path: Path) -> None:

@@ -36,38 +36,12 @@ from dflash_tfm.spec.dflash import DFlashDrafter, load_dflash_drafter
 from dflash_tfm.spec.dflash_config import drafter_config_dict
 from dflash_tfm.train.dflash_checkpoint import build_trainable_drafter, default_mask_token_id, save_drafter
 from dflash_tfm.train.dflash_forward import block_forward
+from dflash_tfm.train.rows import TrainRow, read_rows
 from dflash_tfm.train.step_budget import StepBudget
 from dflash_tfm.train.target_features import FeatureStore, TargetFeatures, store_fits
 from dflash_tfm.train.validation_split import split_validation
 
 IGNORE = -100
-
-
-@dataclass
-class Row:
-    """One training sequence: prompt + response token ids (truncated to max_len), where the response starts,
-    and the data row's id (it decides the validation split)."""
-
-    tokens: list[int]
-    prompt_len: int
-    key: str = ""
-
-
-def load_rows(paths: str | Path | list[str | Path], max_len: int) -> list[Row]:
-    """Rows of one or more JSONL files from `dflash_tfm.train.data`. A last line without its newline (a
-    generator killed mid-write) is ignored. Sequences are cut to `max_len`; rows left with fewer than 2
-    response tokens (no anchor with a label) are dropped."""
-    rows = []
-    for path in [paths] if isinstance(paths, (str, Path)) else paths:
-        for line in Path(path).read_text(encoding="utf-8").split("\n")[:-1]:
-            if not line.strip():
-                continue
-            raw = json.loads(line)
-            prompt = list(raw["prompt_ids"])
-            tokens = (prompt + list(raw["response_ids"]))[:max_len]
-            if len(tokens) - len(prompt) >= 2:
-                rows.append(Row(tokens, len(prompt), str(raw.get("id", tokens))))
-    return rows
 
 
 @dataclass
@@ -77,7 +51,7 @@ class Batch:
     labels: torch.Tensor  # [b, N, B-1], IGNORE beyond the sequence and for padding blocks
 
 
-def make_batch(rows: list[Row], anchors_per_seq: int, block_size: int, gen: torch.Generator,
+def make_batch(rows: list[TrainRow], anchors_per_seq: int, block_size: int, gen: torch.Generator,
                device: torch.device) -> Batch:
     """Up to `anchors_per_seq` distinct anchors per row, uniform over the response positions that have a
     next token; rows with fewer candidates repeat their first anchor with all labels ignored."""
@@ -129,7 +103,7 @@ def train_step(
     return loss.detach(), grad_norm
 
 
-BatchFeatures = Callable[[list[Row], torch.Tensor], torch.Tensor]  # (rows, their padded tokens) -> target features
+BatchFeatures = Callable[[list[TrainRow], torch.Tensor], torch.Tensor]  # (rows, their padded tokens) -> target features
 
 
 def batch_features(features: TargetFeatures, store: FeatureStore | None) -> BatchFeatures:
@@ -152,7 +126,7 @@ class Validation:
 
 
 @torch.no_grad()
-def validate(drafter: DFlashDrafter, features: BatchFeatures, rows: list[Row], step: int, *, batch_size: int,
+def validate(drafter: DFlashDrafter, features: BatchFeatures, rows: list[TrainRow], step: int, *, batch_size: int,
              anchors_per_seq: int, decay: torch.Tensor, seed: int, autocast: torch.autocast) -> Validation:
     """Same anchors every call (fixed seed), so validations at different steps compare like with like."""
     drafter.eval()
@@ -257,7 +231,7 @@ def train_dflash(
     `result.drafter` is the last state, `result.saved_step` says which was saved.
     """
     budget = StepBudget(steps, time_budget_s)
-    rows = load_rows(data_path, max_len)  # before the target loads: a bad data path fails fast
+    rows = read_rows(data_path, max_len, min_response=2)  # before the target loads: bad data fails fast
     val_rows, train_rows = split_validation(rows, lambda r: r.key, val_frac)
     if not train_rows:
         raise ValueError(f"no usable training rows in {data_path} (need >= 2 response tokens within max_len)")

@@ -45,6 +45,7 @@ from dflash_tfm.models.decoder import CausalLM
 from dflash_tfm.spec.dflash import DFlashDrafter
 from dflash_tfm.spec.weaver import SPECULATOR_KIND, Weaver, WeaverConfig, WeaverNorm, load_weaver
 from dflash_tfm.train.dflash_forward import block_forward
+from dflash_tfm.train.rows import TrainRow, read_rows
 from dflash_tfm.train.step_budget import StepBudget
 from dflash_tfm.train.target_features import FeatureStore, TargetFeatures, store_fits
 from dflash_tfm.train.validation_split import split_validation
@@ -53,40 +54,6 @@ SCHEDULES = ("wsd", "cosine", "constant")
 WARMUP_FRAC, DECAY_FRAC = 0.04, 0.2  # WSD: 4 % linear warm-up, flat, linear decay to 0 over the last 20 %
 MAX_VAL_POSITIONS = 512
 VAL_ROWS_PER_PASS = 8  # rows per target pass when the held-out positions are computed
-
-
-@dataclass
-class TrainRow:
-    """One training sequence: prompt + target-generated response token ids, where the response starts, and
-    the data row's id (it decides the validation split)."""
-
-    ids: list[int]
-    prompt_len: int
-    key: str = ""
-
-
-def read_rows(paths: str | Path | list[str | Path], max_seq_len: int) -> list[TrainRow]:
-    """Rows of one or more JSONL files (``dflash_tfm.train.data`` shards) with a non-empty response, truncated to
-    ``max_seq_len`` tokens. A last line without its newline (a generator stopped mid-write) is ignored; any other
-    malformed line is an error naming the file and line."""
-    rows = []
-    for path in [paths] if isinstance(paths, (str, Path)) else paths:
-        for n, line in enumerate(Path(path).read_text(encoding="utf-8").split("\n")[:-1], 1):
-            if not line.strip():
-                continue
-            try:
-                raw = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{n}: not JSON ({e})") from None
-            prompt, response = (raw.get("prompt_ids"), raw.get("response_ids")) if isinstance(raw, dict) else (0, 0)
-            if not all(isinstance(x, list) and all(isinstance(t, int) for t in x) for x in (prompt, response)):
-                raise ValueError(f"{path}:{n}: expected integer lists 'prompt_ids' and 'response_ids'")
-            ids = (prompt + response)[:max_seq_len]
-            if 1 <= len(prompt) < len(ids):
-                rows.append(TrainRow(ids, len(prompt), str(raw.get("id", ids))))
-    if not rows:
-        raise ValueError(f"{paths}: no usable rows (need a non-empty prompt and response)")
-    return rows
 
 
 @dataclass
@@ -124,11 +91,11 @@ class FrozenTeacher:
 
     def cache_rows(self, rows: list[TrainRow], progress: bool) -> None:
         """Run the target once over `rows` and keep its outputs (`FeatureStore`): `paths` then gathers them."""
-        self.store = FeatureStore(self.features, [row.ids for row in rows], with_hidden=True, progress=progress)
+        self.store = FeatureStore(self.features, [row.tokens for row in rows], with_hidden=True, progress=progress)
 
     @torch.no_grad()
     def paths(self, rows: list[TrainRow], positions: list[list[int]]) -> PathBatch:
-        """Positions L of row i (prompt_len <= L < len(row.ids)) -> one PathBatch, rows in order, each row's
+        """Positions L of row i (prompt_len <= L < len(row.tokens)) -> one PathBatch, rows in order, each row's
         positions in increasing order.
 
         One target pass over all rows (right-padded: causal attention and the GDN recurrence never let a pad
@@ -137,15 +104,15 @@ class FrozenTeacher:
         positions repeats its last one, dropped after.
         """
         R, K = len(rows), self.block - 1
-        lengths = torch.tensor([len(r.ids) for r in rows], device=self.device)
+        lengths = torch.tensor([len(r.tokens) for r in rows], device=self.device)
         T, n = int(lengths.max()), max(len(p) for p in positions)
         ids = torch.zeros(R, T, dtype=torch.long, device=self.device)
         for i, row in enumerate(rows):
-            ids[i, : len(row.ids)] = torch.tensor(row.ids)
+            ids[i, : len(row.tokens)] = torch.tensor(row.tokens)
         anchors = torch.tensor([sorted(p) + [max(p)] * (n - len(p)) for p in positions], device=self.device)  # [R, n]
         real = (torch.arange(n) < torch.tensor([len(p) for p in positions])[:, None]).view(-1).to(self.device)
-        if self.store is not None and all(row.ids in self.store for row in rows):
-            hidden, feats = self.store.gather([row.ids for row in rows], T)
+        if self.store is not None and all(row.tokens in self.store for row in rows):
+            hidden, feats = self.store.gather([row.tokens for row in rows], T)
         else:
             hidden, feats = self.features.hidden_and_features(ids)
         h_dflash = block_forward(self.drafter, feats, ids, anchors)  # [R, n, K, H]
@@ -313,7 +280,7 @@ class WeaverTrainResult:
 
 def _sample_positions(row: TrainRow, n: int, rng: random.Random) -> list[int]:
     """Up to n distinct draft positions L of a row: the response's tokens (L >= prompt_len, so L − 1 exists)."""
-    candidates = range(row.prompt_len, len(row.ids))
+    candidates = range(row.prompt_len, len(row.tokens))
     return rng.sample(candidates, min(n, len(candidates)))
 
 
@@ -388,10 +355,10 @@ def train_weaver(
     # is both.
     val_rows, train_rows = split_validation(rows, lambda r: r.key, max(val_frac, 1e-9))
     val_rows = val_rows or train_rows
-    teacher = FrozenTeacher(target, drafter, pool_size, max(len(r.ids) for r in rows))
+    teacher = FrozenTeacher(target, drafter, pool_size, max(len(r.tokens) for r in rows))
     if cache_features is None:
         width = target.config.hidden_size * (1 + len(drafter.config.target_layer_ids))
-        cache_features = store_fits(sum(len(r.ids) for r in rows), width, target.embed_tokens.dtype, device)
+        cache_features = store_fits(sum(len(r.tokens) for r in rows), width, target.embed_tokens.dtype, device)
     if cache_features:
         teacher.cache_rows(rows, progress)
     embed = target.embed_tokens.detach().to(device, dtype)
