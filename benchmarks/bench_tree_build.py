@@ -64,7 +64,9 @@ def main() -> None:
     builders: list[tuple[str, int, Callable[[], object]]] = [("chain", K, lambda: build_chain(root, logits))]
     for budget in args.budgets:
         builders.append(("ddtree", budget, lambda b=budget: build_ddtree(root, logits, b)))
-        builders.append(("weaver", budget, lambda b=budget: build_weaver_tree(weaver, root, logits, h_dflash, h_target, b)))
+        for name, kernels in (("weaver", False), ("weaver, round kernels", True)):
+            builders.append((name, budget, lambda b=budget, k=kernels: build_weaver_tree(
+                weaver, root, logits, h_dflash, h_target, b, kernels=k)))
 
     print(f"tree build on {torch.cuda.get_device_name()}, vocab {VOCAB}, K {K}, Weaver variant {args.variant} "
           f"(d_rank 2048, 16 heads, mlp 2048, 1 block, pool 512), bf16 Weaver, fp32 logits; median of {args.reps}\n")
@@ -77,13 +79,15 @@ def main() -> None:
         except RuntimeError as e:  # report, and keep timing the other builders
             replay = f"capture failed: {str(e).splitlines()[0][:60]}"
         width = round_width(budget, 8)
-        rounds = f"{-(-budget // width)} × {width}" if name == "weaver" else "—"
+        rounds = f"{-(-budget // width)} × {width}" if name.startswith("weaver") else "—"
         print(f"| {name} | {budget} | {rounds} | {eager:.3f} | {replay} |")
     if args.profile:
         budget = max(args.budgets)
         print()
-        print_kernel_table(lambda: build_weaver_tree(weaver, root, logits, h_dflash, h_target, budget),
-                           f"Weaver tree build, budget {budget}")
+        for kernels in (False, True):
+            print_kernel_table(lambda k=kernels: build_weaver_tree(weaver, root, logits, h_dflash, h_target, budget,
+                                                                   kernels=k),
+                               f"Weaver tree build, budget {budget}, round kernels {kernels}")
 
 
 if __name__ == "__main__":

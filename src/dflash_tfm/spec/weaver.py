@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash_tfm.config import ModelConfig
+from dflash_tfm.kernels.tree_growth.reference import pool_logits_plus_residual
 from dflash_tfm.loading.errors import CheckpointError, CheckpointNotFoundError
 
 ACTIVATIONS = ("swiglu", "gelu")
@@ -290,8 +291,7 @@ class Weaver(nn.Module):
         query [W, d_rank] (output of :meth:`step`), pool_ids [W, pool] long, pool_logits [W, pool] fp32.
         Weaver never projects onto the full vocabulary: only the pool rows of ``w_res`` are read.
         """
-        residual = torch.bmm(self.w_res[pool_ids], query.to(self.w_res.dtype)[:, :, None]).squeeze(-1)
-        return pool_logits.float() + residual.float()
+        return pool_logits_plus_residual(self.w_res, query, pool_ids, pool_logits)
 
 
 class TargetTables(Protocol):

@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import torch
 
+from dflash_tfm.kernels.tree_growth import reference, weaver_round
 from dflash_tfm.layers.compile import fuse_on_cuda
+from dflash_tfm.layers.measured_choice import MeasuredChoice
 from dflash_tfm.spec.weaver import Weaver, WeaverCache
 
 ROUND_UNIT = 16  # nodes per batched Weaver step = ceil(budget / 16)
-LOGPROB_FLOOR = -1e30  # keeps real children finite, so only consumed/impossible entries are −inf
 
 
 def round_width(budget: int, children: int) -> int:
@@ -52,29 +53,47 @@ def check_fillable(budget: int, width: int, children: int, max_depth: int) -> No
         n += w
 
 
-@fuse_on_cuda
+def node_queries(nodes: torch.Tensor, weaver: Weaver, cache: WeaverCache, tokens: torch.Tensor,
+                 depths: torch.Tensor, ancestors: torch.Tensor) -> torch.Tensor:
+    """One batched Weaver step over node slots ``nodes`` [W] (their K/V written into ``cache``) → queries [W, d_rank]."""
+    return weaver.step(cache, nodes, tokens[nodes], depths[nodes], ancestors[nodes])
+
+
 def expand_nodes(
     nodes: torch.Tensor, weaver: Weaver, cache: WeaverCache, tokens: torch.Tensor, depths: torch.Tensor,
-    ancestors: torch.Tensor, scores: torch.Tensor, pool_ids: torch.Tensor, pool_logits: torch.Tensor, children: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One batched Weaver step over node slots ``nodes`` [W]; returns each node's top-``children`` children as
-    (path scores [W, c], tokens [W, c]); nodes at depth K publish −inf. One function, so on CUDA inductor fuses
-    the step's norms, RoPE, softmax and scoring into a few kernels (a round is launch-bound: W ≤ 8 rows)."""
-    K = pool_ids.shape[0]
-    depth = depths[nodes]
-    query = weaver.step(cache, nodes, tokens[nodes], depth, ancestors[nodes])
-    row = depth.clamp(max=K - 1)
-    ids = pool_ids[row]
-    logp = weaver.child_logits(query, ids, pool_logits[row]).log_softmax(-1).clamp(min=LOGPROB_FLOOR)
-    top, pick = logp.topk(children, dim=-1)
-    child_score = (scores[nodes, None] + top).masked_fill((depth >= K)[:, None], float("-inf"))
-    return child_score, ids.gather(1, pick)
+    ancestors: torch.Tensor, scores: torch.Tensor, pool_ids: torch.Tensor, pool_logits: torch.Tensor,
+    frontier_score: torch.Tensor, frontier_token: torch.Tensor,
+) -> None:
+    """The Weaver step over ``nodes``, then each node's top children published into its frontier row (nodes at
+    depth K publish −inf), as torch ops (the twins of ``kernels.tree_growth``)."""
+    query = node_queries(nodes, weaver, cache, tokens, depths, ancestors)
+    logits = reference.rescore_pool_reference(weaver.w_res, query, pool_ids, pool_logits, depths, nodes)
+    reference.publish_children_reference(logits, pool_ids, depths, scores, frontier_score, frontier_token, nodes)
+
+
+def expand_nodes_with_kernels(
+    nodes: torch.Tensor, weaver: Weaver, cache: WeaverCache, tokens: torch.Tensor, depths: torch.Tensor,
+    ancestors: torch.Tensor, scores: torch.Tensor, pool_ids: torch.Tensor, pool_logits: torch.Tensor,
+    frontier_score: torch.Tensor, frontier_token: torch.Tensor,
+) -> None:
+    """:func:`expand_nodes` with the re-scoring and publishing as two Triton launches."""
+    query = node_queries_compiled(nodes, weaver, cache, tokens, depths, ancestors)
+    logits = weaver_round.rescore_pool(weaver.w_res, query, pool_ids, pool_logits, depths, nodes)
+    weaver_round.publish_children(logits, pool_ids, depths, scores, frontier_score, frontier_token, nodes)
+
+
+# On CUDA each is one compiled function: inductor fuses the step's norms, RoPE, softmax and scoring into a few
+# kernels (a round is launch-bound: W ≤ 8 rows).
+expand_nodes_compiled = fuse_on_cuda(expand_nodes)
+node_queries_compiled = fuse_on_cuda(node_queries)
+place_nodes_compiled = fuse_on_cuda(reference.place_nodes_reference)
+round_kernel_choice = MeasuredChoice(default="torch")  # "torch": the compiled functions above; "triton": kernels
 
 
 @torch.no_grad()
 def build_weaver_tree(
     weaver: Weaver, root_token: torch.Tensor, logits: torch.Tensor, h_dflash: torch.Tensor, h_target: torch.Tensor,
-    budget: int, pool_size: int | None = None, children_per_node: int = 8,
+    budget: int, pool_size: int | None = None, children_per_node: int = 8, kernels: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Grow a Weaver tree of ``budget`` nodes below ``root_token``.
 
@@ -82,7 +101,9 @@ def build_weaver_tree(
     :meth:`Weaver.encode_prefix`). ``pool_size`` defaults to the checkpoint's ``candidate_pool_size`` and is
     clamped to V. Returns tokens, parents, depths ``[budget + 1]`` long (node 0 = root, parent −1; parents
     before children; distinct sibling tokens; depth ≤ K). The chain fallback for budget + 1 ≤ block size is
-    the caller's.
+    the caller's. ``kernels`` True runs each round's bookkeeping as the Triton kernels of ``kernels.tree_growth``
+    (same tree), False as compiled torch ops; None (default) = whichever is faster, timed once per shape on CUDA
+    (``round_kernel_choice``; torch ops elsewhere).
     """
     K, V = logits.shape
     if K != weaver.config.K or h_dflash.shape[0] != K:
@@ -93,6 +114,14 @@ def build_weaver_tree(
     c = min(children_per_node, pool)
     width = round_width(budget, c)
     check_fillable(budget, width, c, K)
+    if kernels is None:
+        def build(with_kernels: bool):
+            args = (weaver, root_token, logits, h_dflash, h_target, budget, pool, c, with_kernels)
+            return lambda: build_weaver_tree(*args)
+
+        key = (budget, pool, c, tuple(logits.shape), weaver.config.d_rank, weaver.w_res.dtype, str(device))
+        kernels = round_kernel_choice.pick(key, lambda: {"torch": build(False), "triton": build(True)},
+                                           can_time=logits.is_cuda) == "triton"
 
     pool_logits, pool_ids = logits.float().topk(pool, dim=-1)  # [K, pool]: row d = candidates of depth d + 1
     cache = weaver.encode_prefix(h_target, h_dflash, n)
@@ -107,36 +136,21 @@ def build_weaver_tree(
     tokens[:1] = root_token.reshape(1)
     ancestors[:1, :1].fill_(True)  # (a Python-scalar setitem would copy from the host: not capturable)
 
-    def expand(nodes: torch.Tensor) -> None:
-        frontier_score[nodes], frontier_token[nodes] = expand_nodes(
-            nodes, weaver, cache, tokens, depths, ancestors, scores, pool_ids, pool_logits, c)
+    expand = expand_nodes_with_kernels if kernels else expand_nodes_compiled
+    place = weaver_round.place_nodes if kernels else place_nodes_compiled
 
-    expand(slot_ids[:1])
+    def expand_round(nodes: torch.Tensor) -> None:
+        expand(nodes, weaver, cache, tokens, depths, ancestors, scores, pool_ids, pool_logits, frontier_score,
+               frontier_token)
+
+    expand_round(slot_ids[:1])
     flat_score, flat_token = frontier_score.view(-1), frontier_token.view(-1)
     filled = 1
     while filled < n:  # rounds and widths depend on `budget` only
         w = min(width, n - filled)
         nodes = slot_ids[filled : filled + w]
-        place_nodes(nodes, flat_score, flat_token, tokens, parents, depths, scores, ancestors, c)
+        place(flat_score, flat_token, tokens, parents, depths, scores, ancestors, nodes, c)
         if filled + w < n:
-            expand(nodes)
+            expand_round(nodes)
         filled += w
     return tokens, parents, depths
-
-
-@fuse_on_cuda
-def place_nodes(
-    nodes: torch.Tensor, flat_score: torch.Tensor, flat_token: torch.Tensor, tokens: torch.Tensor,
-    parents: torch.Tensor, depths: torch.Tensor, scores: torch.Tensor, ancestors: torch.Tensor, children: int,
-) -> None:
-    """Write the best W = len(nodes) frontier entries as tree nodes into slots ``nodes`` (in place) and
-    consume them; check_fillable guarantees W live (finite) entries. One function, fused on CUDA."""
-    entry = flat_score.topk(nodes.shape[0]).indices  # best first
-    parent = entry // children
-    tokens[nodes] = flat_token[entry]
-    parents[nodes] = parent
-    scores[nodes] = flat_score[entry]
-    depths[nodes] = depths[parent] + 1
-    itself = torch.arange(ancestors.shape[1], device=nodes.device) == nodes[:, None]
-    ancestors[nodes] = ancestors[parent] | itself  # (no Python-scalar setitem: that copies from the host)
-    flat_score.index_fill_(0, entry, float("-inf"))
