@@ -4,7 +4,7 @@
 #   .whl/                 fla-core and gguf wheels (pip download; the device image has their dependencies)
 #   .stage/smol/part_*    the embedded SmolLM2 GGUF split into parts small enough to ride along with the tree
 #                         (a call carries 64 MiB in all; the tree itself is ~27 MB)
-#   .stage/prompts.jsonl  the training prompt mixture (python -m dflash_tfm.train.prompts)
+#   .stage/prompts.jsonl  the training prompt mixture (python -m dflash_tfm.train.prompts), and gzipped
 #   .stage/datasets/      the evaluation prompt sets whose packages the device lacks, each in its package's own
 #                         row format (the loader reads them unchanged: same qids, same seeded subsample)
 # Both folders are git-ignored; each device call names the ones it needs in `carry`.
@@ -20,6 +20,7 @@ gguf=$($PY -c "from dflash_tfm.loading.default_model import default_model_path a
 rm -f .stage/smol/part_*
 split -b "${PART_MIB}M" "$gguf" .stage/smol/part_
 [ -f .stage/prompts.jsonl ] || $PY -m dflash_tfm.train.prompts --out .stage/prompts.jsonl --limit "$PROMPTS"
+gzip -9 -c .stage/prompts.jsonl > .stage/prompts.jsonl.gz  # what a gen call carries (~3 MB for 20,000 prompts)
 $PY - <<'EOF'
 import gzip, json, shutil
 from pathlib import Path

@@ -37,8 +37,10 @@ GEN_TOKENS=${GEN_TOKENS:-256}
 DFLASH_MINUTES=${DFLASH_MINUTES:-4.5}
 DFLASH_STEPS=${DFLASH_STEPS:-4000}
 DFLASH_BATCH=${DFLASH_BATCH:-16}
+DFLASH_LAYERS=${DFLASH_LAYERS:-}      # default 2 (or DFLASH_INIT's count); more grows DFLASH_INIT (new layers start as no-ops)
 WEAVER_MINUTES=${WEAVER_MINUTES:-3}
 WEAVER_STEPS=${WEAVER_STEPS:-20000}
+WEAVER_SAVE_DTYPE=${WEAVER_SAVE_DTYPE:-float32}  # bfloat16 halves weaver.pth (room for a larger drafter)
 TAU_PROMPTS=${TAU_PROMPTS:-20}
 TAU_TOKENS=${TAU_TOKENS:-256}
 TAU_SECONDS=${TAU_SECONDS:-240}
@@ -124,7 +126,7 @@ if [[ $PHASES == *dflash* ]]; then
   use_staged_data
   join_gguf
   $PY -m dflash_tfm.train.dflash_trainer --model-path "$GGUF" --data "$WORK"/data/d*.jsonl --out "$WORK/bundle/dflash" \
-    --num-layers 2 --target-layer-ids 1 14 27 --steps "$DFLASH_STEPS" --batch-size "$DFLASH_BATCH" --anchors-per-seq 64 \
+    ${DFLASH_LAYERS:+--num-layers "$DFLASH_LAYERS"} --target-layer-ids 1 14 27 --steps "$DFLASH_STEPS" --batch-size "$DFLASH_BATCH" --anchors-per-seq 64 \
     --max-len 768 --lr 6e-4 --time-budget-minutes "$DFLASH_MINUTES" --device "$DEVICE" \
     ${DFLASH_INIT:+--init-from "$DFLASH_INIT"} 2>&1 | tee "$OUT/train_dflash.log"
   mkdir -p "$OUT/bundle" && cp -r "$WORK/bundle/dflash" "$OUT/bundle/"
@@ -138,7 +140,7 @@ if [[ $PHASES == *weaver* ]]; then
   $PY -m dflash_tfm.train.weaver_trainer --model-path "$GGUF" --draft-model-path "$WORK/bundle/dflash" \
     --data "$WORK"/data/d*.jsonl --out "$WORK/bundle/weaver.pth" --steps "$WEAVER_STEPS" --batch-size 32 \
     --positions-per-row 4 --lr 1e-3 --schedule wsd --d-rank 384 --num-heads 6 --mlp-dim 1024 --pool-size 512 \
-    --eval-every 500 --time-budget-minutes "$WEAVER_MINUTES" --device "$DEVICE" \
+    --eval-every 500 --time-budget-minutes "$WEAVER_MINUTES" --device "$DEVICE" --save-dtype "$WEAVER_SAVE_DTYPE" \
     ${WEAVER_INIT:+--init-from "$WEAVER_INIT"} 2>&1 | tee "$OUT/train_weaver.log"
   mkdir -p "$OUT/bundle" && cp "$WORK/bundle/weaver.pth" "$WORK/bundle/weaver.pth.json" "$OUT/bundle/"
   say "weaver done"

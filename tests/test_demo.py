@@ -67,3 +67,11 @@ def test_unavailable_dataset_is_a_one_line_note(tmp_path: Path) -> None:
     prompts, notes = load_demo_prompts(["gsm8k", "mbpp"], 2, tmp_path)  # mbpp has no offline source
     assert list(prompts) == ["gsm8k"] and len(prompts["gsm8k"]) == 2
     assert len(notes) == 1 and notes[0].startswith("skip mbpp:") and "\n" not in notes[0]
+
+
+def test_committed_bundle_is_complete_and_within_30_mb() -> None:
+    """Issue 5 asks for drafter + Weaver together <= 30 MB, committed and found by the demo's own lookup."""
+    bundle, notes = find_bundle(DEFAULT_BUNDLE)
+    weights = [DEFAULT_BUNDLE / "dflash" / "model.safetensors", DEFAULT_BUNDLE / "weaver.pth"]
+    assert bundle is not None and not notes and all(p.is_file() for p in weights)
+    assert sum(p.stat().st_size for p in weights) <= 30_000_000

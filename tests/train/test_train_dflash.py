@@ -182,14 +182,22 @@ def test_saved_checkpoint_layout_and_shared_heads(target, data_file, tmp_path):
 
 def test_training_continues_from_a_saved_drafter(target, data_file, tmp_path):
     """--init-from starts from the saved drafter (step-0 validation equals the saved step's) and keeps its
-    shape, whatever the shape arguments say."""
+    shape, whatever the other shape arguments say; a larger --num-layers grows it without changing what it
+    computes at step 0; fewer layers is an error."""
     kwargs = dict(batch_size=8, anchors_per_seq=8, lr=3e-3, max_len=MAX_LEN, val_frac=0.2, progress=False)
     first = train_dflash(target, data_file, tmp_path / "a", num_layers=1, block_size=4, steps=60, **kwargs)
-    more = train_dflash(target, data_file, tmp_path / "b", num_layers=3, steps=60, init_from=tmp_path / "a", **kwargs)
+    more = train_dflash(target, data_file, tmp_path / "b", block_size=8, steps=60, init_from=tmp_path / "a", **kwargs)
     saved = next(v for v in first.validations if v.step == first.saved_step)
     assert more.validations[0].loss == pytest.approx(saved.loss, rel=1e-5)
     assert len(more.drafter.layers) == 1 and more.drafter.config.block_size == 4
     assert more.validations[-1].loss < first.validations[0].loss
+    grown = train_dflash(target, data_file, tmp_path / "g", num_layers=3, steps=60, init_from=tmp_path / "a", **kwargs)
+    assert len(grown.drafter.layers) == 3
+    assert json.loads((tmp_path / "g" / "config.json").read_text())["num_hidden_layers"] == 3
+    assert grown.validations[0].loss == pytest.approx(saved.loss, rel=1e-5)
+    assert grown.validations[-1].loss < grown.validations[0].loss
+    with pytest.raises(ValueError, match="not shrink"):
+        train_dflash(target, data_file, tmp_path / "s", num_layers=1, steps=1, init_from=tmp_path / "g", **kwargs)
     with pytest.raises(CheckpointError):
         train_dflash(target, data_file, tmp_path / "c", num_layers=1, steps=1, init_from=tmp_path / "nope", **kwargs)
 

@@ -133,6 +133,11 @@ def test_training_continues_from_a_saved_weaver(setups, tmp_path: Path) -> None:
                         **kwargs)
     assert more.val_before["kl"] == pytest.approx(first.val_after["kl"], rel=1e-4)
     assert more.val_after["kl"] < first.val_before["kl"]
+    half = train_weaver(s.model, s.drafter, s.data, tmp_path / "h.pth", **SMALL, steps=1, save_dtype=torch.bfloat16,
+                        init_from=tmp_path / "b.pth", **kwargs)  # a bf16 file continues like any other
+    state = torch.load(half.out_path, weights_only=True)["state_dict"]
+    assert all(t.dtype == torch.bfloat16 for t in state.values())
+    assert half.out_path.stat().st_size < 0.6 * (tmp_path / "b.pth").stat().st_size
     with pytest.raises(ValueError, match="candidate pool"):
         train_weaver(s.model, s.drafter, s.data, tmp_path / "c.pth", **dict(SMALL, pool_size=SMALL["pool_size"] // 2),
                      steps=1, init_from=tmp_path / "a.pth", **kwargs)

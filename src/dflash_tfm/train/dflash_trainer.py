@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from dflash_tfm.config import FULL_ATTENTION
 from dflash_tfm.loading.loader import load_target, parse_dtype
 from dflash_tfm.models.decoder import CausalLM
 from dflash_tfm.spec.dflash import DFlashDrafter, load_dflash_drafter
@@ -42,6 +43,7 @@ from dflash_tfm.train.target_features import FeatureStore, TargetFeatures, store
 from dflash_tfm.train.validation_split import split_validation
 
 IGNORE = -100
+DEFAULT_NUM_LAYERS = 2
 
 
 @dataclass
@@ -163,16 +165,30 @@ class TrainResult:
     saved_step: int | None = None  # the step whose drafter is in out_dir (best validation accept_len)
 
 
-def continue_drafter(path: str | Path, target: CausalLM, dtype: torch.dtype) -> tuple[dict, DFlashDrafter]:
+def continue_drafter(path: str | Path, target: CausalLM, dtype: torch.dtype,
+                     num_layers: int | None = None) -> tuple[dict, DFlashDrafter]:
     """A trainable drafter holding the weights of the drafter saved at `path`, read by the same strict loader
-    as inference (`load_dflash_drafter`), and the raw config to save it with."""
+    as inference (`load_dflash_drafter`), and the raw config to save it with.
+
+    `num_layers` above the saved count grows the drafter: the extra layers go on top (same type as the last)
+    with zero output projections (`o_proj`, `mlp.down`), so each adds nothing to the residual stream and the
+    grown drafter starts out computing exactly what the saved one does. Fewer layers than saved is an error."""
     saved = load_dflash_drafter(path, target, target.config, target.embed_tokens.device, dtype)
     raw = json.loads((Path(path) / "config.json").read_text(encoding="utf-8"))
+    have = saved.config.num_layers
+    if num_layers is not None and num_layers < have:
+        raise ValueError(f"{path} has {have} layers; a drafter can grow from it, not shrink to {num_layers}")
+    if num_layers is not None and num_layers > have:
+        types = list(raw.get("layer_types") or [FULL_ATTENTION] * have)
+        raw = dict(raw, num_hidden_layers=num_layers, layer_types=types + types[-1:] * (num_layers - have))
     drafter = build_trainable_drafter(raw, target, seed=0)
     params = dict(drafter.named_parameters())
     with torch.no_grad():
         for name, param in saved.named_parameters():
             params[name].copy_(param)
+        for i in range(have, drafter.config.num_layers):
+            params[f"layers.{i}.o_proj"].zero_()
+            params[f"layers.{i}.mlp.down"].zero_()
     return raw, drafter
 
 
@@ -188,7 +204,7 @@ def train_dflash(
     data_path: str | Path | list[str | Path],
     out_dir: str | Path,
     *,
-    num_layers: int,
+    num_layers: int | None = None,
     block_size: int = 16,
     target_layer_ids: list[int] | None = None,
     mask_token_id: int | None = None,
@@ -224,8 +240,10 @@ def train_dflash(
     held-out rows (`val_frac` > 0) the drafter of the best validation accept_len is saved (step 0 included),
     otherwise the last one; `train_log.jsonl` holds every logged step and validation. `eval_every` None:
     10 validations per run. `time_budget_s` lowers `steps` after the first steps so the whole schedule fits
-    (`StepBudget`). `init_from`: continue from a saved drafter directory (its config wins over the shape
-    arguments; the optimizer starts fresh, warm-up included), so a run can span several time-limited jobs.
+    (`StepBudget`). `num_layers` None: DEFAULT_NUM_LAYERS for a new drafter, the saved count with `init_from`.
+    `init_from`: continue from a saved drafter directory (its config wins over the other shape arguments; a
+    larger `num_layers` grows it, `continue_drafter`; the optimizer starts fresh, warm-up included), so a run
+    can span several time-limited jobs.
     `cache_features`: run the target once over all rows and keep its features (`FeatureStore`); None = when
     they fit (`store_fits`).
     `result.drafter` is the last state, `result.saved_step` says which was saved.
@@ -249,13 +267,13 @@ def train_dflash(
         mask_token_id = default_mask_token_id(tokenizer, tcfg.vocab_size)
     if init_from is None:
         raw = drafter_config_dict(
-            tcfg, num_layers=num_layers, block_size=block_size, mask_token_id=mask_token_id,
+            tcfg, num_layers=num_layers or DEFAULT_NUM_LAYERS, block_size=block_size, mask_token_id=mask_token_id,
             target_layer_ids=target_layer_ids, layer_types=layer_types, sliding_window=sliding_window,
             causal_sliding_in_block=causal_sliding_in_block, dtype=dtype,
         )
         drafter = build_trainable_drafter(raw, model, seed)
     else:
-        raw, drafter = continue_drafter(init_from, model, dtype)
+        raw, drafter = continue_drafter(init_from, model, dtype, num_layers)
         block_size = drafter.config.block_size
     drafter.allocate(max_len + block_size)  # RoPE table for every block position
     target_features = TargetFeatures(model, drafter.config.target_layer_ids, max_len)
@@ -333,7 +351,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model-path", default=None, help="target: HF directory or .gguf (default: embedded SmolLM2)")
     p.add_argument("--data", nargs="+", required=True, type=Path, help="JSONL file(s) from dflash_tfm.train.data")
     p.add_argument("--out", required=True, type=Path, help="drafter output directory")
-    p.add_argument("--num-layers", type=int, default=2)
+    p.add_argument("--num-layers", type=int, default=None,
+                   help=f"default {DEFAULT_NUM_LAYERS}; with --init-from: the saved count, more grows the drafter")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--target-layer-ids", type=int, nargs="+", default=None, help="default: the reference rule")
     p.add_argument("--mask-token-id", type=int, default=None, help="default: tokenizer mask or an unused special")

@@ -242,15 +242,15 @@ def attach_differentiable_tables(weaver: Weaver, embed: torch.Tensor, lm_head: t
     weaver.w_res = lm_head @ weaver.lm_head_query_in.weight
 
 
-def checkpoint_payload(weaver: Weaver, variant: int) -> dict:
-    """The published format. Variant 2 omits ``activation``/``rope_base``: the original class of that era did
-    not accept them (``load_weaver`` reads the activation off the fc1/fc2 key names)."""
+def checkpoint_payload(weaver: Weaver, variant: int, dtype: torch.dtype = torch.float32) -> dict:
+    """The published format, tensors in ``dtype``. Variant 2 omits ``activation``/``rope_base``: the original
+    class of that era did not accept them (``load_weaver`` reads the activation off the fc1/fc2 key names)."""
     cfg = weaver.config
     config = {k: getattr(cfg, k) for k in ("d_model", "d_embed", "d_rank", "num_layers", "num_heads", "mlp_dim", "K",
                                            "candidate_pool_size", "encoder_mode", "score_head")}
     if variant == 1:
         config.update(activation="swiglu", rope_base=cfg.rope_base)
-    state = {k: v.detach().float().cpu().clone() for k, v in weaver.state_dict().items()}
+    state = {k: v.detach().to("cpu", dtype).clone() for k, v in weaver.state_dict().items()}
     return {"config": config, "state_dict": state, "metadata": {"speculator_kind": SPECULATOR_KIND}}
 
 
@@ -324,13 +324,13 @@ def train_weaver(
     device: str | torch.device | None = None, dtype: torch.dtype = torch.float32, seed: int = 0,
     val_frac: float = 0.02, log_every: int = 20, eval_every: int = 0, positions_per_row: int = 4,
     max_seq_len: int = 2048, time_budget_s: float | None = None, init_from: str | Path | None = None,
-    cache_features: bool | None = None, progress: bool = True,
+    cache_features: bool | None = None, progress: bool = True, save_dtype: torch.dtype = torch.float32,
 ) -> WeaverTrainResult:
     """Train a Weaver of the given shape for ``target`` + ``drafter`` (both frozen) and save it to ``out_path``.
 
     A batch holds ``batch_size`` draft positions, ``positions_per_row`` per row. ``device`` defaults to the
-    target's; ``dtype`` is the Weaver's training dtype (keep fp32: AdamW master weights; the saved file is fp32 and
-    ``load_weaver`` casts it). ``val_frac`` of the rows (at least one; chosen by id, ``split_validation``) is held
+    target's; ``dtype`` is the Weaver's training dtype (keep fp32: AdamW master weights); the file is saved in
+    ``save_dtype`` (bfloat16 halves it; ``load_weaver`` casts to the inference dtype either way). ``val_frac`` of the rows (at least one; chosen by id, ``split_validation``) is held
     out and evaluated before training, every ``eval_every`` steps (0: never in between) and at the end. AdamW (0.9,
     0.95), weight decay 0.01 on matrices only, gradient clipping at 1.0. Callers on CUDA should set
     ``DFLASH_TFM_COMPILE=0`` (``main`` does): every row has a new length, and compiling the frozen models' fused
@@ -406,7 +406,7 @@ def train_weaver(
 
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    payload = checkpoint_payload(weaver, variant)
+    payload = checkpoint_payload(weaver, variant, save_dtype)
     tmp = out_path.with_name(out_path.name + ".tmp")
     torch.save(payload, tmp)
     tmp.replace(out_path)  # a crash mid-write never leaves a truncated checkpoint under the real name
@@ -452,6 +452,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="continue training this saved Weaver (.pth; its shape wins over the shape flags)")
     p.add_argument("--no-feature-cache", action="store_true",
                    help="re-run the target every step instead of keeping its outputs for all rows in memory")
+    p.add_argument("--save-dtype", default="float32", choices=["bfloat16", "float16", "float32"],
+                   help="dtype of the saved tensors (training is fp32 regardless)")
     p.add_argument("--no-progress", action="store_true")
     return p
 
@@ -486,6 +488,7 @@ def main(argv: list[str] | None = None) -> int:
             time_budget_s=None if args.time_budget_minutes is None else 60 * args.time_budget_minutes,
             init_from=args.init_from, max_seq_len=args.max_seq_len,
             cache_features=False if args.no_feature_cache else None, progress=not args.no_progress,
+            save_dtype=parse_dtype(args.save_dtype),
         )
     except (FileNotFoundError, CheckpointError, ValueError) as e:
         print(f"dflash-tfm train-weaver: error: {e}", file=sys.stderr)
