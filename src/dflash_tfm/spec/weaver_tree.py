@@ -10,8 +10,9 @@ together in ONE batched Weaver step (`expand_nodes`), until budget + 1 nodes.
 Static layout (as in the original's frontier kernels): the frontier has ``children_per_node`` entries per node
 slot, entry ``slot · c + r`` = the r-th child of node ``slot``; a round picks the best entries by ``topk``
 (exactly equal scores may come in either order; continuous logits have none). Nodes at depth K publish nothing
-(−inf); the last round's nodes are not expanded. Everything is a fixed sequence of tensor ops on static shapes (the number of rounds and their
-widths depend on ``budget`` only): no host sync, CUDA-graph capturable.
+(−inf); the last round's nodes are not expanded. Everything is a fixed sequence of tensor ops or Triton launches
+(``kernels.tree_growth``) on static shapes (the number of rounds and their widths depend on ``budget`` only):
+no host sync, CUDA-graph capturable.
 """
 from __future__ import annotations
 
