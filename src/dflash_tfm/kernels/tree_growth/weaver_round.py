@@ -9,7 +9,7 @@ slots ``nodes [W]`` (read on the device: no host sync, capturable):
 * :func:`rescore_pool`: ``pool_logit[d + 1] + (W_res[pool_id] · query)`` for every node, pool rows read by id
   (no gathered copy), the dot accumulated in fp32 and rounded to W_res's dtype as the twin's bmm output is;
 * :func:`publish_children`: log-softmax over the pool, the best ``c`` children by repeated arg-max, scores
-  ``parent + log p`` (−inf below depth K), written straight into the node's frontier row;
+  ``parent + log p`` (−inf for nodes at depth K), written straight into the node's frontier row;
 * :func:`place_nodes`: the best W frontier entries by repeated arg-max, written as tree nodes (token, parent,
   score, depth, ancestor row) and consumed.
 
