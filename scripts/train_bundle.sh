@@ -8,9 +8,11 @@
 #                         an earlier run's rows .stage/data/d*.jsonl if carried: gen keeps them and skips
 #                         their prompts (or .stage/prev_rows.tar.gz, an earlier run's returned data.tar.gz)
 #   PHASES="gen dflash"   join the GGUF, generate data, train the drafter (right after; carry .whl, the last
-#                         part, .stage/prompts.jsonl, .stage/datasets)
-#   PHASES="weaver tau"   train Weaver, measure τ (call 3, right after; same carry minus the GGUF part)
-# Sizes come from the environment (defaults = the committed bundle's run); DEVICE=cpu runs it small here.
+#                         part, .stage/prompts.jsonl or .stage/prompts.jsonl.gz, .stage/datasets)
+#   PHASES="weaver tau"   train Weaver, measure τ (call 3, right after; same carry minus the GGUF part; on a
+#                         machine that went cold, stage again and carry a returned drafter as .stage/bundle/dflash)
+# Sizes come from the environment (defaults: a small run; the bundle README has the committed bundle's calls);
+# DEVICE=cpu runs it small here.
 # DFLASH_INIT / WEAVER_INIT continue training from a saved drafter directory / Weaver file (e.g. the
 # committed bundle under src/dflash_tfm/assets/smollm2_bundle), so training can span several calls.
 # Only 8 files come back from a device call, so results collect in $WORK/out and are packed into
