@@ -28,7 +28,7 @@ from dflash_tfm.spec.chain import build_chain
 from dflash_tfm.spec.ddtree import build_ddtree
 from dflash_tfm.spec.weaver import load_weaver
 from dflash_tfm.spec.weaver_fixtures import write_random_weaver_checkpoint
-from dflash_tfm.spec.weaver_tree import build_weaver_tree, round_width
+from dflash_tfm.spec.weaver_tree import ROUND_IMPLEMENTATIONS, build_weaver_tree, round_width
 
 VOCAB, HIDDEN, BLOCK = 248320, 5120, 16
 K = BLOCK - 1
@@ -64,9 +64,9 @@ def main() -> None:
     builders: list[tuple[str, int, Callable[[], object]]] = [("chain", K, lambda: build_chain(root, logits))]
     for budget in args.budgets:
         builders.append(("ddtree", budget, lambda b=budget: build_ddtree(root, logits, b)))
-        for name, kernels in (("weaver", False), ("weaver, round kernels", True)):
-            builders.append((name, budget, lambda b=budget, k=kernels: build_weaver_tree(
-                weaver, root, logits, h_dflash, h_target, b, kernels=k)))
+        for impl in ROUND_IMPLEMENTATIONS:
+            builders.append((f"weaver ({impl})", budget, lambda b=budget, i=impl: build_weaver_tree(
+                weaver, root, logits, h_dflash, h_target, b, implementation=i)))
 
     print(f"tree build on {torch.cuda.get_device_name()}, vocab {VOCAB}, K {K}, Weaver variant {args.variant} "
           f"(d_rank 2048, 16 heads, mlp 2048, 1 block, pool 512), bf16 Weaver, fp32 logits; median of {args.reps}\n")
@@ -84,10 +84,10 @@ def main() -> None:
     if args.profile:
         budget = max(args.budgets)
         print()
-        for kernels in (False, True):
-            print_kernel_table(lambda k=kernels: build_weaver_tree(weaver, root, logits, h_dflash, h_target, budget,
-                                                                   kernels=k),
-                               f"Weaver tree build, budget {budget}, round kernels {kernels}")
+        for impl in ROUND_IMPLEMENTATIONS:
+            print_kernel_table(lambda i=impl: build_weaver_tree(weaver, root, logits, h_dflash, h_target, budget,
+                                                                implementation=i),
+                               f"Weaver tree build, budget {budget}, {impl}")
 
 
 if __name__ == "__main__":

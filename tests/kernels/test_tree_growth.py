@@ -8,6 +8,8 @@ import torch
 from dflash_tfm.kernels.tree_growth import reference, weaver_round
 from dflash_tfm.spec.weaver import load_weaver
 from dflash_tfm.spec.weaver_fixtures import write_random_weaver_checkpoint
+from dflash_tfm.kernels.linear.skinny_matmul import skinny_matmul
+from dflash_tfm.spec import weaver_tree
 from dflash_tfm.spec.weaver_tree import build_weaver_tree
 
 from ..spec.test_weaver import BLOCK, HIDDEN, K, VOCAB, tiny_target
@@ -89,8 +91,17 @@ def test_triton_place_nodes_matches_twin(triton_device: str) -> None:
         assert torch.equal(got[k].cpu(), want[k]), k
 
 
+@pytest.mark.parametrize("implementation", ["triton", "triton_skinny"])
 @pytest.mark.parametrize("budget", [16, 64])
-def test_triton_weaver_tree_with_kernels_equals_torch_builder(budget: int, triton_device: str, tmp_path) -> None:
+def test_triton_weaver_tree_with_kernels_equals_torch_builder(budget: int, implementation: str, triton_device: str,
+                                                              tmp_path, monkeypatch) -> None:
+    skinny_rows = []  # the skinny matmul must really run the projections of multi-node rounds
+
+    def counted(x, *args):
+        skinny_rows.append(x.shape[0])
+        return skinny_matmul(x, *args)
+
+    monkeypatch.setattr(weaver_tree, "skinny_matmul", counted)
     model, cfg = tiny_target()
     path = tmp_path / "w.pth"
     write_random_weaver_checkpoint(path, cfg, variant=1, seed=4)
@@ -99,10 +110,13 @@ def test_triton_weaver_tree_with_kernels_equals_torch_builder(budget: int, trito
     root = torch.tensor(5, device=triton_device)
     logits = (torch.randn(K, VOCAB, generator=gen) * 2).to(triton_device)
     h_dflash, h_target = torch.randn(K, HIDDEN, generator=gen).to(triton_device), torch.randn(HIDDEN, generator=gen).to(triton_device)
-    got = build_weaver_tree(weaver, root, logits, h_dflash, h_target, budget, pool_size=24, kernels=True)
-    want = build_weaver_tree(weaver, root, logits, h_dflash, h_target, budget, pool_size=24, kernels=False)
+    got = build_weaver_tree(weaver, root, logits, h_dflash, h_target, budget, pool_size=24, implementation=implementation)
+    want = build_weaver_tree(weaver, root, logits, h_dflash, h_target, budget, pool_size=24, implementation="torch")
     for a, b in zip(got, want):
         assert torch.equal(a, b)
+    width = -(-budget // 16)
+    assert skinny_rows == ([width] * len(skinny_rows) if implementation == "triton_skinny" and width > 1 else [])
+    assert len(skinny_rows) >= (4 if implementation == "triton_skinny" and width > 1 else 0)
 
 
 @pytest.mark.gpu

@@ -99,7 +99,7 @@ def test_pool_of_one_is_the_chain_and_overfull_budgets_are_refused(setup) -> Non
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("builder", ["ddtree", "weaver", "weaver_kernels"])
+@pytest.mark.parametrize("builder", ["ddtree", "weaver", "weaver_triton", "weaver_triton_skinny"])
 def test_builders_capture_in_a_cuda_graph(builder: str, tmp_path) -> None:
     """Static shapes and no host sync: a captured replay on new inputs equals an eager call."""
     model, cfg = tiny_target()
@@ -112,7 +112,8 @@ def test_builders_capture_in_a_cuda_graph(builder: str, tmp_path) -> None:
     def build():
         if builder == "ddtree":
             return build_ddtree(static[0], static[1], 64)
-        return build_weaver_tree(weaver, *static, budget=64, kernels=True if builder == "weaver_kernels" else None)
+        implementation = None if builder == "weaver" else builder[len("weaver_"):]
+        return build_weaver_tree(weaver, *static, budget=64, implementation=implementation)
 
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())

@@ -16,12 +16,16 @@ no host sync, CUDA-graph capturable.
 """
 from __future__ import annotations
 
-import torch
+import functools
 
+import torch
+from torch import nn
+
+from dflash_tfm.kernels.linear.skinny_matmul import MAX_ROWS, candidate_configs, skinny_matmul
 from dflash_tfm.kernels.tree_growth import reference, weaver_round
 from dflash_tfm.layers.compile import fuse_on_cuda
 from dflash_tfm.layers.measured_choice import MeasuredChoice
-from dflash_tfm.spec.weaver import Weaver, WeaverCache
+from dflash_tfm.spec.weaver import Projection, Weaver, WeaverCache, apply_linear
 
 ROUND_UNIT = 16  # nodes per batched Weaver step = ceil(budget / 16)
 
@@ -55,9 +59,9 @@ def check_fillable(budget: int, width: int, children: int, max_depth: int) -> No
 
 
 def node_queries(nodes: torch.Tensor, weaver: Weaver, cache: WeaverCache, tokens: torch.Tensor,
-                 depths: torch.Tensor, ancestors: torch.Tensor) -> torch.Tensor:
+                 depths: torch.Tensor, ancestors: torch.Tensor, project: Projection = apply_linear) -> torch.Tensor:
     """One batched Weaver step over node slots ``nodes`` [W] (their K/V written into ``cache``) → queries [W, d_rank]."""
-    return weaver.step(cache, nodes, tokens[nodes], depths[nodes], ancestors[nodes])
+    return weaver.step(cache, nodes, tokens[nodes], depths[nodes], ancestors[nodes], project)
 
 
 def expand_nodes(
@@ -75,10 +79,11 @@ def expand_nodes(
 def expand_nodes_with_kernels(
     nodes: torch.Tensor, weaver: Weaver, cache: WeaverCache, tokens: torch.Tensor, depths: torch.Tensor,
     ancestors: torch.Tensor, scores: torch.Tensor, pool_ids: torch.Tensor, pool_logits: torch.Tensor,
-    frontier_score: torch.Tensor, frontier_token: torch.Tensor,
+    frontier_score: torch.Tensor, frontier_token: torch.Tensor, project: Projection = apply_linear,
 ) -> None:
-    """:func:`expand_nodes` with the re-scoring and publishing as two Triton launches."""
-    query = node_queries_compiled(nodes, weaver, cache, tokens, depths, ancestors)
+    """:func:`expand_nodes` with the re-scoring and publishing as two Triton launches (and the Weaver step's
+    projections run by ``project``)."""
+    query = node_queries_compiled(nodes, weaver, cache, tokens, depths, ancestors, project)
     logits = weaver_round.rescore_pool(weaver.w_res, query, pool_ids, pool_logits, depths, nodes)
     weaver_round.publish_children(logits, pool_ids, depths, scores, frontier_score, frontier_token, nodes)
 
@@ -88,13 +93,35 @@ def expand_nodes_with_kernels(
 expand_nodes_compiled = fuse_on_cuda(expand_nodes)
 node_queries_compiled = fuse_on_cuda(node_queries)
 place_nodes_compiled = fuse_on_cuda(reference.place_nodes_reference)
-round_kernel_choice = MeasuredChoice(default="torch")  # "torch": the compiled functions above; "triton": kernels
+# "torch": the compiled functions above; "triton": the round kernels; "triton_skinny": also the Weaver step's
+# projections through the Triton skinny matmul (a round multiplies W <= 8 rows by the block's weights).
+ROUND_IMPLEMENTATIONS = ("torch", "triton", "triton_skinny")
+round_kernel_choice = MeasuredChoice(default="torch")
+
+
+@functools.lru_cache(maxsize=16)
+def skinny_projection(rows: int, weaver: Weaver) -> Projection:
+    """``layer(x)`` through ``skinny_matmul`` for ``rows``-row inputs (a configuration per weight shape, picked by
+    the kernel's own heuristic, ``candidate_configs``), the module itself for other row counts (the root's
+    single-row expansion is a GEMV). Cached: the compiled Weaver step is guarded on this function object, so a
+    new one per build would recompile it."""
+    sms = torch.cuda.get_device_properties(weaver.w_res.device).multi_processor_count if weaver.w_res.is_cuda else 1
+    configs = {tuple(m.weight.shape): candidate_configs(rows, *m.weight.shape, sms)[0]
+               for m in weaver.modules() if isinstance(m, nn.Linear)}
+
+    def project(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
+        if x.shape[0] != rows or not 2 <= rows <= MAX_ROWS:
+            return layer(x)
+        y = skinny_matmul(x, layer.weight, configs[tuple(layer.weight.shape)])
+        return y if layer.bias is None else y + layer.bias
+
+    return project
 
 
 @torch.no_grad()
 def build_weaver_tree(
     weaver: Weaver, root_token: torch.Tensor, logits: torch.Tensor, h_dflash: torch.Tensor, h_target: torch.Tensor,
-    budget: int, pool_size: int | None = None, children_per_node: int = 8, kernels: bool | None = None,
+    budget: int, pool_size: int | None = None, children_per_node: int = 8, implementation: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Grow a Weaver tree of ``budget`` nodes below ``root_token``.
 
@@ -102,9 +129,10 @@ def build_weaver_tree(
     :meth:`Weaver.encode_prefix`). ``pool_size`` defaults to the checkpoint's ``candidate_pool_size`` and is
     clamped to V. Returns tokens, parents, depths ``[budget + 1]`` long (node 0 = root, parent −1; parents
     before children; distinct sibling tokens; depth ≤ K). The chain fallback for budget + 1 ≤ block size is
-    the caller's. ``kernels`` True runs each round's bookkeeping as the Triton kernels of ``kernels.tree_growth``
-    (same tree), False as compiled torch ops; None (default) = whichever is faster, timed once per shape on CUDA
-    (``round_kernel_choice``; torch ops elsewhere).
+    the caller's. ``implementation`` (one of ROUND_IMPLEMENTATIONS; all grow the same tree): "torch" runs
+    each round as compiled torch ops, "triton" its bookkeeping as the kernels of ``kernels.tree_growth``,
+    "triton_skinny" also the Weaver projections through the Triton skinny matmul; None (default) = the fastest,
+    timed once per shape on CUDA (``round_kernel_choice``; "torch" elsewhere).
     """
     K, V = logits.shape
     if K != weaver.config.K or h_dflash.shape[0] != K:
@@ -115,14 +143,16 @@ def build_weaver_tree(
     c = min(children_per_node, pool)
     width = round_width(budget, c)
     check_fillable(budget, width, c, K)
-    if kernels is None:
-        def build(with_kernels: bool):
-            args = (weaver, root_token, logits, h_dflash, h_target, budget, pool, c, with_kernels)
+    if implementation is None:
+        def build(name: str):
+            args = (weaver, root_token, logits, h_dflash, h_target, budget, pool, c, name)
             return lambda: build_weaver_tree(*args)
 
         key = (budget, pool, c, tuple(logits.shape), weaver.config.d_rank, weaver.w_res.dtype, str(device))
-        kernels = round_kernel_choice.pick(key, lambda: {"torch": build(False), "triton": build(True)},
-                                           can_time=logits.is_cuda) == "triton"
+        implementation = round_kernel_choice.pick(key, lambda: {name: build(name) for name in ROUND_IMPLEMENTATIONS},
+                                                  can_time=logits.is_cuda)
+    if implementation not in ROUND_IMPLEMENTATIONS:
+        raise ValueError(f"implementation must be one of {ROUND_IMPLEMENTATIONS}, got {implementation!r}")
 
     pool_logits, pool_ids = logits.float().topk(pool, dim=-1)  # [K, pool]: row d = candidates of depth d + 1
     cache = weaver.encode_prefix(h_target, h_dflash, n)
@@ -137,12 +167,17 @@ def build_weaver_tree(
     tokens[:1] = root_token.reshape(1)
     ancestors[:1, :1].fill_(True)  # (a Python-scalar setitem would copy from the host: not capturable)
 
-    expand = expand_nodes_with_kernels if kernels else expand_nodes_compiled
+    kernels = implementation != "torch"
     place = weaver_round.place_nodes if kernels else place_nodes_compiled
+    project = skinny_projection(width, weaver) if implementation == "triton_skinny" else apply_linear
 
     def expand_round(nodes: torch.Tensor) -> None:
-        expand(nodes, weaver, cache, tokens, depths, ancestors, scores, pool_ids, pool_logits, frontier_score,
-               frontier_token)
+        args = (nodes, weaver, cache, tokens, depths, ancestors, scores, pool_ids, pool_logits, frontier_score,
+                frontier_token)
+        if kernels:
+            expand_nodes_with_kernels(*args, project)
+        else:
+            expand_nodes_compiled(*args)
 
     expand_round(slot_ids[:1])
     flat_score, flat_token = frontier_score.view(-1), frontier_token.view(-1)
