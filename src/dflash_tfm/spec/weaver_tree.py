@@ -103,8 +103,8 @@ round_kernel_choice = MeasuredChoice(default="torch")
 def skinny_projection(rows: int, weaver: Weaver) -> Projection:
     """``layer(x)`` through ``skinny_matmul`` for ``rows``-row inputs (a configuration per weight shape, picked by
     the kernel's own heuristic, ``candidate_configs``), the module itself for other row counts (the root's
-    single-row expansion is a GEMV). Cached: the compiled Weaver step is guarded on this function object, so a
-    new one per build would recompile it."""
+    single-row expansion is a GEMV). Cached (up to 16 (rows, Weaver) pairs stay referenced): the compiled Weaver
+    step is guarded on this function object, so a new one per build would recompile it."""
     sms = torch.cuda.get_device_properties(weaver.w_res.device).multi_processor_count if weaver.w_res.is_cuda else 1
     configs = {tuple(m.weight.shape): candidate_configs(rows, *m.weight.shape, sms)[0]
                for m in weaver.modules() if isinstance(m, nn.Linear)}
@@ -129,7 +129,8 @@ def build_weaver_tree(
     :meth:`Weaver.encode_prefix`). ``pool_size`` defaults to the checkpoint's ``candidate_pool_size`` and is
     clamped to V. Returns tokens, parents, depths ``[budget + 1]`` long (node 0 = root, parent −1; parents
     before children; distinct sibling tokens; depth ≤ K). The chain fallback for budget + 1 ≤ block size is
-    the caller's. ``implementation`` (one of ROUND_IMPLEMENTATIONS; all grow the same tree): "torch" runs
+    the caller's. ``implementation`` (one of ROUND_IMPLEMENTATIONS; all grow the same tree up to rounding, equal
+    in the fp32 tests): "torch" runs
     each round as compiled torch ops, "triton" its bookkeeping as the kernels of ``kernels.tree_growth``,
     "triton_skinny" also the Weaver projections through the Triton skinny matmul; None (default) = the fastest,
     timed once per shape on CUDA (``round_kernel_choice``; "torch" elsewhere).
