@@ -105,12 +105,14 @@ def skinny_projection(rows: int, weaver: Weaver) -> Projection:
     the kernel's own heuristic, ``candidate_configs``), the module itself for other row counts (the root's
     single-row expansion is a GEMV). Cached (up to 16 (rows, Weaver) pairs stay referenced): the compiled Weaver
     step is guarded on this function object, so a new one per build would recompile it."""
+    if not 2 <= rows <= MAX_ROWS:
+        return apply_linear
     sms = torch.cuda.get_device_properties(weaver.w_res.device).multi_processor_count if weaver.w_res.is_cuda else 1
     configs = {tuple(m.weight.shape): candidate_configs(rows, *m.weight.shape, sms)[0]
                for m in weaver.modules() if isinstance(m, nn.Linear)}
 
     def project(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
-        if x.shape[0] != rows or not 2 <= rows <= MAX_ROWS:
+        if x.shape[0] != rows:
             return layer(x)
         y = skinny_matmul(x, layer.weight, configs[tuple(layer.weight.shape)])
         return y if layer.bias is None else y + layer.bias
@@ -130,10 +132,9 @@ def build_weaver_tree(
     clamped to V. Returns tokens, parents, depths ``[budget + 1]`` long (node 0 = root, parent −1; parents
     before children; distinct sibling tokens; depth ≤ K). The chain fallback for budget + 1 ≤ block size is
     the caller's. ``implementation`` (one of ROUND_IMPLEMENTATIONS; all grow the same tree up to rounding, equal
-    in the fp32 tests): "torch" runs
-    each round as compiled torch ops, "triton" its bookkeeping as the kernels of ``kernels.tree_growth``,
-    "triton_skinny" also the Weaver projections through the Triton skinny matmul; None (default) = the fastest,
-    timed once per shape on CUDA (``round_kernel_choice``; "torch" elsewhere).
+    in the fp32 tests): "torch" runs each round as compiled torch ops, "triton" its bookkeeping as the kernels
+    of ``kernels.tree_growth``, "triton_skinny" also the Weaver projections through the Triton skinny matmul;
+    None (default) = the fastest, timed once per shape on CUDA (``round_kernel_choice``; "torch" elsewhere).
     """
     K, V = logits.shape
     if K != weaver.config.K or h_dflash.shape[0] != K:
@@ -168,17 +169,15 @@ def build_weaver_tree(
     tokens[:1] = root_token.reshape(1)
     ancestors[:1, :1].fill_(True)  # (a Python-scalar setitem would copy from the host: not capturable)
 
-    kernels = implementation != "torch"
-    place = weaver_round.place_nodes if kernels else place_nodes_compiled
-    project = skinny_projection(width, weaver) if implementation == "triton_skinny" else apply_linear
+    if implementation == "torch":
+        expand, place = expand_nodes_compiled, place_nodes_compiled
+    else:
+        project = skinny_projection(width, weaver) if implementation == "triton_skinny" else apply_linear
+        expand, place = functools.partial(expand_nodes_with_kernels, project=project), weaver_round.place_nodes
 
     def expand_round(nodes: torch.Tensor) -> None:
-        args = (nodes, weaver, cache, tokens, depths, ancestors, scores, pool_ids, pool_logits, frontier_score,
-                frontier_token)
-        if kernels:
-            expand_nodes_with_kernels(*args, project)
-        else:
-            expand_nodes_compiled(*args)
+        expand(nodes, weaver, cache, tokens, depths, ancestors, scores, pool_ids, pool_logits, frontier_score,
+               frontier_token)
 
     expand_round(slot_ids[:1])
     flat_score, flat_token = frontier_score.view(-1), frontier_token.view(-1)
