@@ -35,6 +35,7 @@ from dflash_tfm.sampling_params import SamplingParams
 from dflash_tfm.spec.dflash import DFlashDrafter
 from dflash_tfm.spec.dflash_config import DFlashConfig
 from dflash_tfm.spec.weaver_fixtures import write_random_weaver_checkpoint
+from dflash_tfm.spec.weaver_tree import round_kernel_choice
 
 PHASES = ("draft", "tree", "verify", "commit")
 
@@ -108,6 +109,8 @@ def main() -> None:
               f"| {r['step_ms']:.2f} | {100 * extra:.0f}% |")
     results["projection_kernels"] = {str(k): v for k, v in chosen_kernels().items()}
     print("projection kernels chosen by timing (rows, N, K):", results["projection_kernels"])
+    results["weaver_round_kernels"] = {str(k): v for k, v in round_kernel_choice.choices.items()}
+    print("Weaver round implementation chosen by timing:", results["weaver_round_kernels"])
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=2)

@@ -12,7 +12,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=.venv/bin/python
 PART_MIB=${PART_MIB:-32}
-PROMPTS=${PROMPTS:-20000}  # more than one run uses: gen-data stops at its time cap
+PROMPTS=${PROMPTS:-30000}  # more than the mixture holds (21,574): all of it
 mkdir -p .whl .stage/smol .stage/datasets
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .whl fla-core==0.6.0 gguf==0.19.0

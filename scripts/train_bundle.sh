@@ -15,9 +15,10 @@
 # DEVICE=cpu runs it small here.
 # DFLASH_INIT / WEAVER_INIT continue training from a saved drafter directory / Weaver file (e.g. the
 # committed bundle under src/dflash_tfm/assets/smollm2_bundle), so training can span several calls.
-# Only 8 files come back from a device call, so results collect in $WORK/out and are packed into
-# $OUT/results.tar.gz at exit, with the drafter's weights (15.4 MiB) beside it as $OUT/model.safetensors and the
-# generated rows as $OUT/data.tar.gz when that fits in one returned file.
+# Only 8 files of at most 16 MiB come back from a device call, so results collect in $WORK/out and are packed
+# into $OUT/results.tar.gz at exit, with the drafter's weights beside it in 15 MiB parts
+# ($OUT/model.safetensors.part_*; `cat` them back together) and the generated rows as $OUT/data.tar.gz when that
+# fits in one returned file.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 FINAL_OUT=${OUT:-out}; mkdir -p "$FINAL_OUT"
@@ -26,15 +27,17 @@ WORK=${WORK:-/tmp/bundle_work}; mkdir -p "$WORK/data" "$WORK/bundle"
 OUT=$WORK/out; mkdir -p "$OUT"
 pack() {
   tar czf "$FINAL_OUT/results.tar.gz" --exclude=model.safetensors -C "$OUT" .
-  [ -f "$OUT/bundle/dflash/model.safetensors" ] && cp "$OUT/bundle/dflash/model.safetensors" "$FINAL_OUT/"
+  [ -f "$OUT/bundle/dflash/model.safetensors" ] && split -b 15M "$OUT/bundle/dflash/model.safetensors" \
+    "$FINAL_OUT/model.safetensors.part_"
+  return 0
 }
 trap pack EXIT
 GGUF=${GGUF:-/tmp/smol/SmolLM2-135M-Instruct.Q4_1.gguf}
 DEVICE=${DEVICE:-cuda}
 GEN_PROCS=${GEN_PROCS:-3}           # shards (2 greedy, 1 sampled), each a batched generator
-GEN_BATCH=${GEN_BATCH:-128}
+GEN_BATCH=${GEN_BATCH:-256}
 GEN_SECONDS=${GEN_SECONDS:-240}     # wall-clock cap for data generation; rows are flushed one by one
-GEN_LIMIT=${GEN_LIMIT:-20000}  # prompts (all shards); GEN_SECONDS is what usually stops it
+GEN_LIMIT=${GEN_LIMIT:-30000}  # prompts (all shards): the whole staged mixture (21,574) in ~3 minutes
 GEN_TOKENS=${GEN_TOKENS:-256}
 DFLASH_MINUTES=${DFLASH_MINUTES:-4.5}
 DFLASH_STEPS=${DFLASH_STEPS:-4000}

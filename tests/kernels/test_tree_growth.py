@@ -8,7 +8,7 @@ import torch
 from dflash_tfm.kernels.tree_growth import reference, weaver_round
 from dflash_tfm.spec.weaver import load_weaver
 from dflash_tfm.spec.weaver_fixtures import write_random_weaver_checkpoint
-from dflash_tfm.kernels.linear.skinny_matmul import skinny_matmul
+from dflash_tfm.kernels.tree_growth.weaver_step import weaver_step_rows
 from dflash_tfm.spec import weaver_tree
 from dflash_tfm.spec.weaver_tree import build_weaver_tree
 
@@ -91,17 +91,17 @@ def test_triton_place_nodes_matches_twin(triton_device: str) -> None:
         assert torch.equal(got[k].cpu(), want[k]), k
 
 
-@pytest.mark.parametrize("implementation", ["triton", "triton_skinny"])
+@pytest.mark.parametrize("implementation", ["triton", "triton_fused"])
 @pytest.mark.parametrize("budget", [16, 64])
 def test_triton_weaver_tree_with_kernels_equals_torch_builder(budget: int, implementation: str, triton_device: str,
                                                               tmp_path, monkeypatch) -> None:
-    skinny_rows = []  # the skinny matmul must really run the projections of multi-node rounds
+    fused_widths = []  # the fused Weaver step must really run every round's expansion
 
-    def counted(x, *args):
-        skinny_rows.append(x.shape[0])
-        return skinny_matmul(x, *args)
+    def counted(weaver, cache, nodes, *args):
+        fused_widths.append(nodes.shape[0])
+        return weaver_step_rows(weaver, cache, nodes, *args)
 
-    monkeypatch.setattr(weaver_tree, "skinny_matmul", counted)
+    monkeypatch.setattr(weaver_tree.weaver_step, "weaver_step_rows", counted)
     model, cfg = tiny_target()
     path = tmp_path / "w.pth"
     write_random_weaver_checkpoint(path, cfg, variant=1, seed=4)
@@ -115,8 +115,8 @@ def test_triton_weaver_tree_with_kernels_equals_torch_builder(budget: int, imple
     for a, b in zip(got, want):
         assert torch.equal(a, b)
     width = -(-budget // 16)
-    assert skinny_rows == ([width] * len(skinny_rows) if implementation == "triton_skinny" and width > 1 else [])
-    assert len(skinny_rows) >= (4 if implementation == "triton_skinny" and width > 1 else 0)
+    rounds = [1] + [width] * (-(-budget // width) - 1)  # the root, then every round but the last
+    assert fused_widths == (rounds if implementation == "triton_fused" else [])
 
 
 @pytest.mark.gpu

@@ -1,16 +1,17 @@
 """Many sequences at once on one target: continuous batching over the rows of one static cache.
 
 Why: decoding one sequence leaves a GPU almost idle (and separate processes do not help: without MPS the GPU
-time-slices between them), while generating training data needs throughput, not latency. Here each prompt is
-prefilled alone into its own cache row, so no row ever holds padding (a Gated-DeltaNet state would absorb pad
-tokens); then every step decodes one token for all rows, each at its own position (attention masks keys per row,
-see `causal_cache_attention`); a row whose sequence ends takes the next prompt at once.
+time-slices between them), while generating training data needs throughput, not latency. Every step decodes
+one token for all rows, each at its own position (attention masks keys per row, see `causal_cache_attention`);
+a row whose sequence ends takes the next prompt at once and feeds it through those same steps, one prompt token
+per step, from a zeroed recurrent state. So no row ever holds padding (a Gated-DeltaNet state would absorb pad
+tokens) and nothing runs outside the batched step: a separate eager prefill per prompt (~400 kernel launches
+for SmolLM2) cost more than the batched step itself and left the GPU idle meanwhile.
 
 On CUDA the decode step is a CUDA graph per key-length bucket (`PhaseGraphs`, state-advancing: a bucket's
-first step runs eagerly and is captured for the next ones): eagerly, a 30-layer step is ~400 kernel launches
-of Python-side overhead for a few milliseconds of GPU work. Prefills stay eager (a new length each time).
-Sampling uses one generator for the whole batch, so a run reproduces given the same prompts, slot count and
-seed, but a row's tokens depend on which rows share its steps (use `Engine` for per-request seeds).
+first step runs eagerly and is captured for the next ones). Sampling uses one generator for the whole batch,
+so a run reproduces given the same prompts, slot count and seed, but a row's tokens depend on which rows
+share its steps (use `Engine` for per-request seeds).
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from typing import Generic, TypeVar
 import torch
 
 from dflash_tfm.engine.cache import ModelCache
-from dflash_tfm.engine.model_runner import key_length_bucket, prefill_in_chunks
+from dflash_tfm.engine.model_runner import key_length_bucket
 from dflash_tfm.engine.phase_graphs import PhaseGraphs
 from dflash_tfm.engine.sampler import make_generator, sample
 from dflash_tfm.models.decoder import CausalLM
@@ -33,9 +34,14 @@ Key = TypeVar("Key")
 @dataclass
 class _Row(Generic[Key]):
     key: Key
-    length: int  # tokens in the cache row (prompt + generated, the last sampled token not yet fed)
+    prompt: list[int]
     budget: int  # new tokens this row may still produce, context end included
+    length: int = 0  # tokens fed into the cache row so far (prompt first, then the sampled tokens)
     tokens: list[int] = field(default_factory=list)
+
+    def next_input(self) -> int:
+        """The token this row feeds in the next step: its prompt's next one, then its last sampled one."""
+        return self.prompt[self.length] if self.length < len(self.prompt) else self.tokens[-1]
 
 
 class BatchGenerator:
@@ -46,7 +52,7 @@ class BatchGenerator:
     """
 
     def __init__(self, model: CausalLM, slots: int, max_len: int, stop_ids: Iterable[int], *,
-                 prefill_chunk: int = 2048, use_cuda_graph: bool = True) -> None:
+                 use_cuda_graph: bool = True) -> None:
         if slots < 1:
             raise ValueError(f"slots must be >= 1, got {slots}")
         self.model = model
@@ -54,7 +60,6 @@ class BatchGenerator:
         self.slots = slots
         self.max_len = max_len
         self.stop_ids = set(stop_ids)
-        self.prefill_chunk = prefill_chunk
         self.cache = ModelCache(model.config, max_len, slots, model.embed_tokens.dtype, self.device)
         self.graphs = PhaseGraphs(use_cuda_graph and self.device.type == "cuda")
         # Static decode-step buffers (the graphs read and write these addresses).
@@ -63,7 +68,7 @@ class BatchGenerator:
         self._logits: torch.Tensor | None = None  # [slots, V] fp32, allocated by the first (eager) step
 
     def _decode(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """One token per row (tokens [slots], positions [slots, 1] on the host) -> fp32 logits [slots, V];
+        """One token per row (tokens [slots], positions [slots, 1], both on the host) -> fp32 logits [slots, V];
         advances every row's caches. Reads a bucketed key length, not max(position) + 1: a new shape every step
         would also re-time the decode kernel choices (`MeasuredChoice`) every step."""
         kv_len = key_length_bucket(int(positions.max()), self.max_len)
@@ -80,13 +85,6 @@ class BatchGenerator:
         self.graphs.run(("decode", kv_len), step, advances_state=True)
         return self._logits
 
-    def _prefill(self, slot: int, prompt_ids: list[int]) -> torch.Tensor:
-        """Fill slot's rows with the prompt from a zero recurrent state; returns the last position's logits [V]."""
-        cache = self.cache.row(slot)
-        cache.reset()
-        ids = torch.tensor(prompt_ids, dtype=torch.long, device=self.device)
-        return self.model.logits(prefill_in_chunks(self.model, ids, cache, 0, self.prefill_chunk))
-
     @torch.inference_mode()
     def generate(
         self, prompts: Iterable[tuple[Key, list[int]]], max_new_tokens: int, params: SamplingParams,
@@ -96,21 +94,19 @@ class BatchGenerator:
         generator = make_generator(params, self.device)
         pending = iter(prompts)
         rows: list[_Row[Key] | None] = [None] * self.slots
-        next_tokens = torch.zeros(self.slots, dtype=torch.long, device=self.device)
 
         def admit(slot: int) -> None:
-            """Prefill the next prompt (if any) into ``slot`` and take its first token from the prefill logits."""
+            """Give ``slot`` the next prompt (if any), from a zero recurrent state; it is fed by the next steps."""
             rows[slot] = None
             for key, ids in pending:
                 if not ids or len(ids) >= self.max_len:
                     raise ValueError(f"prompt {key!r} has {len(ids)} tokens; the cache rows hold {self.max_len}")
-                first = sample(self._prefill(slot, ids).view(1, -1), params, generator)
-                next_tokens[slot] = first[0]
-                rows[slot] = _Row(key, len(ids), min(max_new_tokens, self.max_len - len(ids)), [int(first[0])])
+                self.cache.row(slot).reset()
+                rows[slot] = _Row(key, list(ids), min(max_new_tokens, self.max_len - len(ids)))
                 return
 
         def done(row: _Row[Key]) -> bool:
-            return row.tokens[-1] in self.stop_ids or len(row.tokens) >= row.budget
+            return bool(row.tokens) and (row.tokens[-1] in self.stop_ids or len(row.tokens) >= row.budget)
 
         for slot in range(self.slots):
             admit(slot)
@@ -119,15 +115,16 @@ class BatchGenerator:
                 while (row := rows[slot]) is not None and done(row):
                     yield row.key, row.tokens
                     admit(slot)
-            active = [slot for slot, row in enumerate(rows) if row is not None]
+            active = [(slot, row) for slot, row in enumerate(rows) if row is not None]
             if not active:
                 return
-            # Free rows decode too (a static batch; their output is ignored and a prefill resets them).
+            # Free rows decode too (a static batch; their output is ignored and admission resets them).
+            inputs = torch.zeros(self.slots, dtype=torch.long)
             positions = torch.zeros(self.slots, 1, dtype=torch.long)
-            for slot in active:
-                positions[slot, 0] = rows[slot].length
-                rows[slot].length += 1
-            next_tokens = sample(self._decode(next_tokens, positions), params, generator)
-            tokens = next_tokens.tolist()  # the one host read per step
-            for slot in active:
-                rows[slot].tokens.append(tokens[slot])
+            for slot, row in active:
+                inputs[slot], positions[slot, 0] = row.next_input(), row.length
+                row.length += 1
+            sampled = sample(self._decode(inputs, positions), params, generator).tolist()  # the one host read
+            for slot, row in active:
+                if row.length >= len(row.prompt):  # it fed its last prompt token or a sampled one
+                    row.tokens.append(sampled[slot])

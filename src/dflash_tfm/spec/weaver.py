@@ -23,7 +23,7 @@ building can be captured in a CUDA graph.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Protocol
@@ -121,13 +121,6 @@ class WeaverCache:
     prefix_len: int
 
 
-Projection = Callable[[torch.Tensor, nn.Linear], torch.Tensor]
-
-
-def apply_linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
-    return layer(x)
-
-
 class WeaverNorm(nn.Module):
     """RMSNorm with weight AND bias, statistics and affine in fp32, no mean subtraction."""
 
@@ -161,22 +154,22 @@ class WeaverBlock(nn.Module):
             self.fc2 = nn.Linear(cfg.mlp_dim, cfg.d_rank)
 
     def project_qkv(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, project: Projection = apply_linear,
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [T, d_rank] -> q, k, v [T, heads, head_dim]; ``rope`` = (cos, sin) [T, head_dim] fp32 or None."""
-        q, k, v = project(self.norm_attn(x), self.qkv_proj).view(x.shape[0], 3, self.num_heads, self.head_dim).unbind(1)
+        q, k, v = self.qkv_proj(self.norm_attn(x)).view(x.shape[0], 3, self.num_heads, self.head_dim).unbind(1)
         if rope is not None:
             q, k = _rotate(q, *rope), _rotate(k, *rope)
         return q, k, v
 
-    def finish(self, x: torch.Tensor, attn: torch.Tensor, project: Projection = apply_linear) -> torch.Tensor:
+    def finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """Residual attention output (attn [T, d_rank]), then the residual MLP."""
-        x = x + project(attn, self.o_proj)
+        x = x + self.o_proj(attn)
         h = self.norm_mlp(x)
         if self.swiglu:
-            gate, up = project(h, self.gate_up_proj).chunk(2, dim=-1)
-            return x + project(F.silu(gate) * up, self.down_proj)
-        return x + project(F.gelu(project(h, self.fc1)), self.fc2)
+            gate, up = self.gate_up_proj(h).chunk(2, dim=-1)
+            return x + self.down_proj(F.silu(gate) * up)
+        return x + self.fc2(F.gelu(self.fc1(h)))
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -268,15 +261,23 @@ class Weaver(nn.Module):
 
     def step(
         self, cache: WeaverCache, slots: torch.Tensor, tokens: torch.Tensor, depths: torch.Tensor,
-        ancestors: torch.Tensor, project: Projection = apply_linear,
+        ancestors: torch.Tensor,
     ) -> torch.Tensor:
-        """Advance W tree nodes in one batched call and return ``out_norm(x)`` ``[W, d_rank]``.
+        """Advance W tree nodes in one batched call and return ``out_norm(x)`` ``[W, d_rank]`` (see
+        :meth:`step_rows`)."""
+        return self.out_norm(self.step_rows(cache, slots, tokens, depths, ancestors))
+
+    def step_rows(
+        self, cache: WeaverCache, slots: torch.Tensor, tokens: torch.Tensor, depths: torch.Tensor,
+        ancestors: torch.Tensor,
+    ) -> torch.Tensor:
+        """The last block's output ``x [W, d_rank]`` of W tree nodes advanced in one batched call (the twin of
+        ``kernels.tree_growth.weaver_step``).
 
         slots [W] long: node slots (0…N−1) whose K/V this call writes into ``cache``; tokens, depths [W] long;
         ancestors [W, N] bool: the inclusive ancestor set of each node by slot (root and itself included).
         Every ancestor must have been written by an earlier call or by this one (a row's layer-l K/V depends
-        only on layers < l of its ancestors, so parent and child may even share a call). ``project(x, layer)``
-        runs each ``nn.Linear`` (default: the module itself; the tree builder may pass a Triton matmul).
+        only on layers < l of its ancestors, so parent and child may even share a call).
         """
         cfg = self.config
         x = self.token_table[tokens]
@@ -287,11 +288,11 @@ class Weaver(nn.Module):
         mask = torch.cat([prefix, ancestors], 1)
         rows = slots + cache.prefix_len
         for layer, block in enumerate(self.blocks):
-            q, k, v = block.project_qkv(x, rope, project)
+            q, k, v = block.project_qkv(x, rope)
             cache.k[layer].index_copy_(0, rows, k)
             cache.v[layer].index_copy_(0, rows, v)
-            x = block.finish(x, _attend(q, cache.k[layer], cache.v[layer], mask), project)
-        return self.out_norm(x)
+            x = block.finish(x, _attend(q, cache.k[layer], cache.v[layer], mask))
+        return x
 
     def child_logits(self, query: torch.Tensor, pool_ids: torch.Tensor, pool_logits: torch.Tensor) -> torch.Tensor:
         """Re-scored candidate logits ``dflash_logit_c + W_res[c] · query`` fp32 ``[W, pool]``.

@@ -16,16 +16,12 @@ no host sync, CUDA-graph capturable.
 """
 from __future__ import annotations
 
-import functools
-
 import torch
-from torch import nn
 
-from dflash_tfm.kernels.linear.skinny_matmul import MAX_ROWS, candidate_configs, skinny_matmul
-from dflash_tfm.kernels.tree_growth import reference, weaver_round
+from dflash_tfm.kernels.tree_growth import reference, weaver_round, weaver_step
 from dflash_tfm.layers.compile import fuse_on_cuda
 from dflash_tfm.layers.measured_choice import MeasuredChoice
-from dflash_tfm.spec.weaver import Projection, Weaver, WeaverCache, apply_linear
+from dflash_tfm.spec.weaver import Weaver, WeaverCache
 
 ROUND_UNIT = 16  # nodes per batched Weaver step = ceil(budget / 16)
 
@@ -59,9 +55,9 @@ def check_fillable(budget: int, width: int, children: int, max_depth: int) -> No
 
 
 def node_queries(nodes: torch.Tensor, weaver: Weaver, cache: WeaverCache, tokens: torch.Tensor,
-                 depths: torch.Tensor, ancestors: torch.Tensor, project: Projection = apply_linear) -> torch.Tensor:
+                 depths: torch.Tensor, ancestors: torch.Tensor) -> torch.Tensor:
     """One batched Weaver step over node slots ``nodes`` [W] (their K/V written into ``cache``) → queries [W, d_rank]."""
-    return weaver.step(cache, nodes, tokens[nodes], depths[nodes], ancestors[nodes], project)
+    return weaver.step(cache, nodes, tokens[nodes], depths[nodes], ancestors[nodes])
 
 
 def expand_nodes(
@@ -79,12 +75,23 @@ def expand_nodes(
 def expand_nodes_with_kernels(
     nodes: torch.Tensor, weaver: Weaver, cache: WeaverCache, tokens: torch.Tensor, depths: torch.Tensor,
     ancestors: torch.Tensor, scores: torch.Tensor, pool_ids: torch.Tensor, pool_logits: torch.Tensor,
-    frontier_score: torch.Tensor, frontier_token: torch.Tensor, project: Projection = apply_linear,
+    frontier_score: torch.Tensor, frontier_token: torch.Tensor,
 ) -> None:
-    """:func:`expand_nodes` with the re-scoring and publishing as two Triton launches (and the Weaver step's
-    projections run by ``project``)."""
-    query = node_queries_compiled(nodes, weaver, cache, tokens, depths, ancestors, project)
+    """:func:`expand_nodes` with the re-scoring and publishing as two Triton launches."""
+    query = node_queries_compiled(nodes, weaver, cache, tokens, depths, ancestors)
     logits = weaver_round.rescore_pool(weaver.w_res, query, pool_ids, pool_logits, depths, nodes)
+    weaver_round.publish_children(logits, pool_ids, depths, scores, frontier_score, frontier_token, nodes)
+
+
+def expand_nodes_fused(
+    nodes: torch.Tensor, weaver: Weaver, cache: WeaverCache, tokens: torch.Tensor, depths: torch.Tensor,
+    ancestors: torch.Tensor, scores: torch.Tensor, pool_ids: torch.Tensor, pool_logits: torch.Tensor,
+    frontier_score: torch.Tensor, frontier_token: torch.Tensor,
+) -> None:
+    """:func:`expand_nodes` as Triton launches only: the fused Weaver step (``kernels.tree_growth.weaver_step``,
+    five launches per block), the re-scoring with the output norm fused in, the publishing."""
+    rows = weaver_step.weaver_step_rows(weaver, cache, nodes, tokens, depths, ancestors)
+    logits = weaver_round.rescore_pool(weaver.w_res, rows, pool_ids, pool_logits, depths, nodes, norm=weaver.out_norm)
     weaver_round.publish_children(logits, pool_ids, depths, scores, frontier_score, frontier_token, nodes)
 
 
@@ -93,31 +100,11 @@ def expand_nodes_with_kernels(
 expand_nodes_compiled = fuse_on_cuda(expand_nodes)
 node_queries_compiled = fuse_on_cuda(node_queries)
 place_nodes_compiled = fuse_on_cuda(reference.place_nodes_reference)
-# "torch": the compiled functions above; "triton": the round kernels; "triton_skinny": also the Weaver step's
-# projections through the Triton skinny matmul (a round multiplies W <= 8 rows by the block's weights).
-ROUND_IMPLEMENTATIONS = ("torch", "triton", "triton_skinny")
+# "torch": the compiled functions above; "triton": the round kernels around the compiled Weaver step;
+# "triton_fused": the Weaver step as Triton kernels too (a round is ~8 launches).
+EXPANSIONS = {"torch": expand_nodes_compiled, "triton": expand_nodes_with_kernels, "triton_fused": expand_nodes_fused}
+ROUND_IMPLEMENTATIONS = tuple(EXPANSIONS)
 round_kernel_choice = MeasuredChoice(default="torch")
-
-
-@functools.lru_cache(maxsize=16)
-def skinny_projection(rows: int, weaver: Weaver) -> Projection:
-    """``layer(x)`` through ``skinny_matmul`` for ``rows``-row inputs (a configuration per weight shape, picked by
-    the kernel's own heuristic, ``candidate_configs``), the module itself for other row counts (the root's
-    single-row expansion is a GEMV). Cached (up to 16 (rows, Weaver) pairs stay referenced): the compiled Weaver
-    step is guarded on this function object, so a new one per build would recompile it."""
-    if not 2 <= rows <= MAX_ROWS:
-        return apply_linear
-    sms = torch.cuda.get_device_properties(weaver.w_res.device).multi_processor_count if weaver.w_res.is_cuda else 1
-    configs = {tuple(m.weight.shape): candidate_configs(rows, *m.weight.shape, sms)[0]
-               for m in weaver.modules() if isinstance(m, nn.Linear)}
-
-    def project(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
-        if x.shape[0] != rows:
-            return layer(x)
-        y = skinny_matmul(x, layer.weight, configs[tuple(layer.weight.shape)])
-        return y if layer.bias is None else y + layer.bias
-
-    return project
 
 
 @torch.no_grad()
@@ -133,8 +120,7 @@ def build_weaver_tree(
     before children; distinct sibling tokens; depth ≤ K). The chain fallback for budget + 1 ≤ block size is
     the caller's. ``implementation`` (one of ROUND_IMPLEMENTATIONS; all grow the same tree up to rounding, equal
     in the fp32 tests): "torch" runs each round as compiled torch ops, "triton" its bookkeeping as the kernels
-    of ``kernels.tree_growth``, "triton_skinny" also the Weaver projections through the Triton skinny matmul;
-    None (default) = the fastest, timed once per shape on CUDA (``round_kernel_choice``; "torch" elsewhere).
+    of ``kernels.tree_growth``, "triton_fused" the Weaver step too (``weaver_step``); None (default) = the fastest, timed once per shape on CUDA (``round_kernel_choice``; "torch" elsewhere).
     """
     K, V = logits.shape
     if K != weaver.config.K or h_dflash.shape[0] != K:
@@ -169,11 +155,8 @@ def build_weaver_tree(
     tokens[:1] = root_token.reshape(1)
     ancestors[:1, :1].fill_(True)  # (a Python-scalar setitem would copy from the host: not capturable)
 
-    if implementation == "torch":
-        expand, place = expand_nodes_compiled, place_nodes_compiled
-    else:
-        project = skinny_projection(width, weaver) if implementation == "triton_skinny" else apply_linear
-        expand, place = functools.partial(expand_nodes_with_kernels, project=project), weaver_round.place_nodes
+    expand = EXPANSIONS[implementation]
+    place = place_nodes_compiled if implementation == "torch" else weaver_round.place_nodes
 
     def expand_round(nodes: torch.Tensor) -> None:
         expand(nodes, weaver, cache, tokens, depths, ancestors, scores, pool_ids, pool_logits, frontier_score,

@@ -18,6 +18,8 @@ Repeated arg-max takes the lowest index among exactly equal values; ``topk`` may
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import triton
 import triton.language as tl
@@ -25,18 +27,30 @@ import triton.language as tl
 from dflash_tfm.kernels import use_triton
 from dflash_tfm.kernels.tree_growth import reference
 
+if TYPE_CHECKING:
+    from dflash_tfm.spec.weaver import WeaverNorm
+
 LOGPROB_FLOOR = reference.LOGPROB_FLOOR
 
 
 @triton.jit
-def _rescore_pool_kernel(w_res, query, pool_ids, pool_logits, depths, nodes, out, P, D, K,
-                         BP: tl.constexpr, BD: tl.constexpr):
-    """Program (node i, pool block). out [W, P] fp32."""
+def _rescore_pool_kernel(w_res, query, norm_w, norm_b, pool_ids, pool_logits, depths, nodes, out, P, D, K, eps,
+                         NORM: tl.constexpr, BP: tl.constexpr, BD: tl.constexpr):
+    """Program (node i, pool block). out [W, P] fp32. NORM: the query row is first put through the Weaver's
+    output norm (fp32 statistics and affine, rounded to W_res's dtype)."""
     i = tl.program_id(0)
     offs_p = tl.program_id(1) * BP + tl.arange(0, BP)
     mask_p = offs_p < P
     row = tl.minimum(tl.load(depths + tl.load(nodes + i)), K - 1)
     ids = tl.load(pool_ids + row * P + offs_p, mask=mask_p, other=0)
+    r = 0.0
+    if NORM:
+        sq = tl.zeros([BD], dtype=tl.float32)
+        for d0 in range(0, D, BD):
+            offs_d = d0 + tl.arange(0, BD)
+            q = tl.load(query + i * D + offs_d, mask=offs_d < D, other=0.0).to(tl.float32)
+            sq += q * q
+        r = tl.rsqrt(tl.sum(sq, axis=0) / D + eps)
     acc = tl.zeros([BP], dtype=tl.float32)
     for d0 in range(0, D, BD):
         offs_d = d0 + tl.arange(0, BD)
@@ -44,6 +58,10 @@ def _rescore_pool_kernel(w_res, query, pool_ids, pool_logits, depths, nodes, out
         w = tl.load(w_res + ids[:, None].to(tl.int64) * D + offs_d[None, :],
                     mask=mask_p[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
         q = tl.load(query + i * D + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+        if NORM:
+            g = tl.load(norm_w + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+            b = tl.load(norm_b + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+            q = (q * r * g + b).to(w_res.dtype.element_ty).to(tl.float32)
         acc += tl.sum(w * q[None, :], axis=1)
     residual = acc.to(w_res.dtype.element_ty).to(tl.float32)
     logit = tl.load(pool_logits + row * P + offs_p, mask=mask_p, other=0.0)
@@ -98,18 +116,23 @@ def _place_nodes_kernel(flat_score, flat_token, tokens, parents, depths, scores,
 
 
 def rescore_pool(w_res: torch.Tensor, query: torch.Tensor, pool_ids: torch.Tensor, pool_logits: torch.Tensor,
-                 depths: torch.Tensor, nodes: torch.Tensor) -> torch.Tensor:
+                 depths: torch.Tensor, nodes: torch.Tensor, norm: WeaverNorm | None = None) -> torch.Tensor:
     """Re-scored child logits ``[W, P]`` fp32 of node slots ``nodes [W]`` (query [W, D], output of
-    ``Weaver.step``); pool_ids / pool_logits [K, P] (row d = candidates of depth d + 1); depths [n]."""
+    ``Weaver.step``, or with ``norm`` = the Weaver's ``out_norm`` the step's rows before it); pool_ids /
+    pool_logits [K, P] (row d = candidates of depth d + 1); depths [n]."""
     W, D = query.shape
     K, P = pool_ids.shape
     if not use_triton(query):
-        return reference.rescore_pool_reference(w_res, query, pool_ids, pool_logits, depths, nodes)
+        return reference.rescore_pool_reference(w_res, query if norm is None else norm(query), pool_ids,
+                                                pool_logits, depths, nodes)
+    from dflash_tfm.spec.weaver import NORM_EPS
+
     out = torch.empty(W, P, dtype=torch.float32, device=query.device)
     BP = 16
+    weight, bias = (norm.weight, norm.bias) if norm is not None else (w_res, w_res)
     _rescore_pool_kernel[(W, triton.cdiv(P, BP))](
-        w_res, query.contiguous(), pool_ids, pool_logits, depths, nodes, out, P, D, K,
-        BP=BP, BD=min(256, triton.next_power_of_2(D)), num_warps=4)
+        w_res, query.contiguous(), weight, bias, pool_ids, pool_logits, depths, nodes, out, P, D, K, NORM_EPS,
+        NORM=norm is not None, BP=BP, BD=min(256, triton.next_power_of_2(D)), num_warps=4)
     return out
 
 

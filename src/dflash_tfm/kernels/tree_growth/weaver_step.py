@@ -1,0 +1,247 @@
+"""The batched Weaver step of a tree round (W ≤ 16 node rows) as five Triton launches per Weaver block.
+
+Why: a round multiplies a handful of rows by the Weaver weights (59 MB at the published 27B shapes, ~14 µs of
+streaming), but as torch ops — gathers, norms, RoPE, the masked softmax, activations and residual adds between
+four projections — it is ~25 launches, and inside a CUDA graph each costs a few µs (docs/PERFORMANCE.md, issue
+4). Here every projection computes its own input and output glue while it streams its weight rows:
+
+1. ``_rows_matmul_kernel`` (GATHER, NORM): x = token_table[token] (+ pos_emb), norm_attn(x) · W_qkvᵀ (its program
+   0 also stores x, the block's residual);
+2. ``_node_attention_kernel``: RoPE of q and k, the node's k/v written into the Weaver cache, attention over the
+   prefix and the node's ancestors with an fp32 softmax;
+3. ``_rows_matmul_kernel`` (RESIDUAL): x + attn · W_oᵀ;
+4. ``_rows_matmul_kernel`` (NORM, SWIGLU or GELU): act(norm_mlp(x) · W_upᵀ + b);
+5. ``_rows_matmul_kernel`` (RESIDUAL): x + act · W_downᵀ + b.
+
+The output norm runs inside the pool re-scoring (``weaver_round.rescore_pool(norm=…)``). Numerics follow the torch
+step: fp32 accumulation and norm statistics, every intermediate rounded to the Weaver dtype where the torch ops
+round it. Twin: ``Weaver.step`` (without its ``out_norm``). Precondition of the fused attention: no node of a call
+is an ancestor of another node of the same call — true of a tree round, whose nodes are children of nodes expanded
+in earlier rounds — so each node reads its ancestors' K/V from the cache and its own from registers.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import triton
+import triton.language as tl
+
+from dflash_tfm.kernels import use_triton
+
+if TYPE_CHECKING:
+    from dflash_tfm.spec.weaver import Weaver, WeaverCache, WeaverNorm
+
+MAX_ROWS = 16  # the row tile of the tensor-core dot
+NO_ACT, SWIGLU, GELU = 0, 1, 2
+
+
+@triton.jit
+def _input_tile(x, row_base, pos_base, mm, k0, K, POS: tl.constexpr, BK: tl.constexpr):
+    """Input rows at columns k0 … k0 + BK as fp32 (row r starts at element row_base[r] of x; POS adds the row at
+    pointer pos_base[r], rounded as the torch add is), the column offsets and their mask."""
+    offs_k = k0 + tl.arange(0, BK)
+    km = offs_k < K
+    mask = mm[:, None] & km[None, :]
+    a = tl.load(x + row_base[:, None] + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
+    if POS:
+        a += tl.load(pos_base[:, None] + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
+        a = a.to(x.dtype.element_ty).to(tl.float32)
+    return a, offs_k, km
+
+
+@triton.jit
+def _rows_matmul_kernel(
+    x, res, x_out, tokens, nodes, depths, pos_emb, norm_w, norm_b, w, bias, y,
+    M, N, K, KPOS, eps,
+    GATHER: tl.constexpr, POS: tl.constexpr, NORM: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
+    RESIDUAL: tl.constexpr, PRECISION: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+):
+    """Grid (cdiv(N, BN),): y [M, N] = act(norm(rows) · wᵀ + bias) (+ res [M, N]).
+
+    rows [M, K]: x itself, or (GATHER) the table x at row tokens[nodes[r]] (+ pos_emb[min(depths[nodes[r]],
+    KPOS − 1)]), which program 0 also writes to x_out. w [N, K] row-major, or (SWIGLU) [2N, K] = gate rows then
+    up rows, y = silu(gate) · up."""
+    pid = tl.program_id(0)
+    offs_m = tl.arange(0, BM)
+    mm = offs_m < M
+    row_base = offs_m.to(tl.int64) * K
+    pos_base = pos_emb + row_base  # unused unless POS
+    if GATHER:
+        slot = tl.load(nodes + offs_m, mask=mm, other=0)
+        row_base = tl.load(tokens + slot, mask=mm, other=0).to(tl.int64) * K
+        if POS:
+            pos_base = pos_emb + tl.minimum(tl.load(depths + slot, mask=mm, other=0), KPOS - 1).to(tl.int64) * K
+    r = tl.zeros([BM], dtype=tl.float32)
+    if NORM:  # statistics of every row over all K (rows are tiny next to the weight tile each program streams)
+        sq = tl.zeros([BM], dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            a, offs_k, km = _input_tile(x, row_base, pos_base, mm, k0, K, POS, BK)
+            sq += tl.sum(a * a, axis=1)
+            if GATHER:
+                if pid == 0:
+                    tl.store(x_out + offs_m[:, None] * K + offs_k[None, :], a.to(x_out.dtype.element_ty),
+                             mask=mm[:, None] & km[None, :])
+        r = tl.rsqrt(sq / K + eps)
+    offs_n = pid * BN + tl.arange(0, BN)
+    nm = offs_n < N
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    acc_up = tl.zeros([BM, BN], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        a, offs_k, km = _input_tile(x, row_base, pos_base, mm, k0, K, POS, BK)
+        if NORM:  # WeaverNorm: (x · r) · weight + bias in fp32, then the Weaver dtype
+            g = tl.load(norm_w + offs_k, mask=km, other=0.0).to(tl.float32)
+            b = tl.load(norm_b + offs_k, mask=km, other=0.0).to(tl.float32)
+            a = a * r[:, None] * g[None, :] + b[None, :]
+        a = a.to(w.dtype.element_ty)
+        wmask = nm[None, :] & km[:, None]
+        acc += tl.dot(a, tl.load(w + offs_n[None, :] * K + offs_k[:, None], mask=wmask, other=0.0),
+                      input_precision=PRECISION)
+        if ACT == 1:
+            acc_up += tl.dot(a, tl.load(w + (N + offs_n)[None, :] * K + offs_k[:, None], mask=wmask, other=0.0),
+                             input_precision=PRECISION)
+    if HAS_BIAS:
+        acc += tl.load(bias + offs_n, mask=nm, other=0.0).to(tl.float32)[None, :]
+        if ACT == 1:
+            acc_up += tl.load(bias + N + offs_n, mask=nm, other=0.0).to(tl.float32)[None, :]
+    dtype = y.dtype.element_ty
+    out = acc.to(dtype).to(tl.float32)  # the projection's output tensor
+    if ACT == 1:  # F.silu(gate) * up: silu rounds, the product rounds
+        out = (out * tl.sigmoid(out)).to(dtype).to(tl.float32) * acc_up.to(dtype).to(tl.float32)
+    if ACT == 2:  # erf GELU
+        out = 0.5 * out * (1.0 + tl.math.erf(out * 0.7071067811865476))
+    omask = mm[:, None] & nm[None, :]
+    if RESIDUAL:
+        out = out.to(dtype).to(tl.float32) + tl.load(res + offs_m[:, None] * N + offs_n[None, :], mask=omask,
+                                                     other=0.0).to(tl.float32)
+    tl.store(y + offs_m[:, None] * N + offs_n[None, :], out.to(dtype), mask=omask)
+
+
+@triton.jit
+def _rotate_half(x1, x2, c1, c2, s1, s2, dtype):
+    """Rotate-half RoPE of one head (halves x1, x2) in fp32, rounded to ``dtype`` as the torch step does."""
+    return (x1 * c1 - x2 * s1).to(dtype).to(tl.float32), (x2 * c2 + x1 * s2).to(dtype).to(tl.float32)
+
+
+@triton.jit
+def _node_attention_kernel(
+    qkv, cache_k, cache_v, cos, sin, nodes, depths, ancestors, out, P, NSLOTS, H, KPOS, scale,
+    ROTARY: tl.constexpr, D: tl.constexpr, BT: tl.constexpr,
+):
+    """Program (node row i, head h). qkv [W, 3·H·D] (q | k | v); cache_k / cache_v [P + NSLOTS, H, D] (this layer);
+    cos / sin [KPOS + 2, D] fp32; ancestors [NSLOTS, NSLOTS] uint8 (inclusive); out [W, H·D]."""
+    i = tl.program_id(0)
+    h = tl.program_id(1)
+    HALF: tl.constexpr = D // 2
+    dtype = out.dtype.element_ty
+    slot = tl.load(nodes + i)
+    width = H * D
+    base = i * 3 * width + h * D
+    o1 = tl.arange(0, HALF)
+    o2 = HALF + o1
+    q1 = tl.load(qkv + base + o1).to(tl.float32)
+    q2 = tl.load(qkv + base + o2).to(tl.float32)
+    k1 = tl.load(qkv + base + width + o1).to(tl.float32)
+    k2 = tl.load(qkv + base + width + o2).to(tl.float32)
+    v = tl.load(qkv + base + 2 * width + tl.arange(0, D)).to(tl.float32)
+    if ROTARY:  # position min(depth, K) + 1 (the prefix holds 0 … K)
+        pos = (tl.minimum(tl.load(depths + slot), KPOS) + 1) * D
+        c1 = tl.load(cos + pos + o1)
+        c2 = tl.load(cos + pos + o2)
+        s1 = tl.load(sin + pos + o1)
+        s2 = tl.load(sin + pos + o2)
+        q1, q2 = _rotate_half(q1, q2, c1, c2, s1, s2, dtype)
+        k1, k2 = _rotate_half(k1, k2, c1, c2, s1, s2, dtype)
+    row = P + slot
+    tl.store(cache_k + (row * H + h) * D + o1, k1.to(dtype))
+    tl.store(cache_k + (row * H + h) * D + o2, k2.to(dtype))
+    tl.store(cache_v + (row * H + h) * D + tl.arange(0, D), v.to(dtype))
+    # Keys: the prefix, then the node's ancestors read from the cache (itself from registers: its row is being
+    # written by this program); masked rows are never loaded.
+    offs_t = tl.arange(0, BT)
+    in_slots = (offs_t >= P) & (offs_t < P + NSLOTS)
+    anc = tl.load(ancestors + slot * NSLOTS + (offs_t - P), mask=in_slots, other=0)
+    visible = (offs_t < P) | ((anc != 0) & (offs_t != row))
+    key = (offs_t[:, None] * H + h) * D
+    kc1 = tl.load(cache_k + key + o1[None, :], mask=visible[:, None], other=0.0).to(tl.float32)
+    kc2 = tl.load(cache_k + key + o2[None, :], mask=visible[:, None], other=0.0).to(tl.float32)
+    s = (tl.sum(kc1 * q1[None, :], axis=1) + tl.sum(kc2 * q2[None, :], axis=1)) * scale
+    s = tl.where(visible, s, -float("inf"))
+    s_self = (tl.sum(k1 * q1, axis=0) + tl.sum(k2 * q2, axis=0)) * scale
+    m = tl.maximum(tl.max(s, axis=0), s_self)
+    p = tl.where(visible, tl.exp(s - m), 0.0)
+    p_self = tl.exp(s_self - m)
+    denom = tl.sum(p, axis=0) + p_self
+    p = (p / denom).to(dtype).to(tl.float32)  # probabilities in the value dtype, as the torch step casts them
+    p_self = (p_self / denom).to(dtype).to(tl.float32)
+    vc = tl.load(cache_v + key + tl.arange(0, D)[None, :], mask=visible[:, None], other=0.0).to(tl.float32)
+    o = tl.sum(p[:, None] * vc, axis=0) + p_self * v
+    tl.store(out + i * width + h * D + tl.arange(0, D), o.to(dtype))
+
+
+def _block_n(n: int) -> int:
+    return 16 if n <= 2048 else 32  # enough programs to keep the weight stream in flight
+
+
+def _rows_matmul(
+    x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, *, norm: WeaverNorm | None = None,
+    bias: torch.Tensor | None = None, act: int = NO_ACT, res: torch.Tensor | None = None,
+    gather: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor] | None = None,
+) -> None:
+    """y ← act(norm(rows) · weightᵀ + bias) (+ res). ``gather`` = (tokens, nodes, depths, pos_emb or None, x_out):
+    the rows are x[tokens[nodes]] (+ pos_emb), stored to x_out."""
+    from dflash_tfm.spec.weaver import NORM_EPS
+
+    M, N = y.shape
+    K = weight.shape[1]
+    tokens, nodes, depths, pos_emb, x_out = gather if gather is not None else (y, y, y, None, y)
+    dummy = weight
+    _rows_matmul_kernel[(triton.cdiv(N, _block_n(N)),)](
+        x, res if res is not None else dummy, x_out, tokens, nodes, depths,
+        pos_emb if pos_emb is not None else dummy, norm.weight if norm is not None else dummy,
+        norm.bias if norm is not None else dummy, weight, bias if bias is not None else dummy, y,
+        M, N, K, pos_emb.shape[0] if pos_emb is not None else 1, NORM_EPS,
+        GATHER=gather is not None, POS=pos_emb is not None, NORM=norm is not None, ACT=act,
+        HAS_BIAS=bias is not None, RESIDUAL=res is not None,
+        PRECISION="ieee" if weight.dtype == torch.float32 else "tf32",
+        BM=MAX_ROWS, BN=_block_n(N), BK=min(128, triton.next_power_of_2(K)), num_warps=4)
+
+
+def weaver_step_rows(weaver: Weaver, cache: WeaverCache, nodes: torch.Tensor, tokens: torch.Tensor,
+                     depths: torch.Tensor, ancestors: torch.Tensor) -> torch.Tensor:
+    """``Weaver.step`` of node slots ``nodes`` [W] before its ``out_norm``: x [W, d_rank], the nodes' K/V written
+    into ``cache``. tokens, depths [N] long and ancestors [N, N] bool are the tree's whole buffers (read at
+    ``nodes`` on the device). No node of ``nodes`` may be an ancestor of another (module docstring)."""
+    if not use_triton(nodes):
+        return weaver.step_rows(cache, nodes, tokens[nodes], depths[nodes], ancestors[nodes])
+    cfg = weaver.config
+    W, d, N = nodes.shape[0], cfg.d_rank, ancestors.shape[0]
+    if not 1 <= W <= MAX_ROWS:
+        raise ValueError(f"the fused Weaver step takes 1 … {MAX_ROWS} nodes, got {W}")
+    if cfg.head_dim & (cfg.head_dim - 1) or cfg.head_dim < 2:
+        raise ValueError(f"the fused Weaver attention needs a power-of-two head dim, got {cfg.head_dim}")
+    new = lambda cols: torch.empty(W, cols, dtype=weaver.token_table.dtype, device=nodes.device)  # noqa: E731
+    x = new(d)
+    cos = weaver.rope_cos if cfg.rotary else weaver.token_table  # (unused without RoPE)
+    sin = weaver.rope_sin if cfg.rotary else weaver.token_table
+    for layer, block in enumerate(weaver.blocks):
+        qkv = new(3 * d)
+        if layer == 0:
+            pos_emb = None if cfg.rotary else weaver.pos_emb
+            _rows_matmul(weaver.token_table, block.qkv_proj.weight, qkv, norm=block.norm_attn,
+                         gather=(tokens, nodes, depths, pos_emb, x))
+        else:
+            _rows_matmul(x, block.qkv_proj.weight, qkv, norm=block.norm_attn)
+        attn = new(d)
+        _node_attention_kernel[(W, cfg.num_heads)](
+            qkv, cache.k[layer], cache.v[layer], cos, sin, nodes, depths, ancestors.view(torch.uint8), attn,
+            cache.prefix_len, N, cfg.num_heads, cfg.K, cfg.head_dim ** -0.5,
+            ROTARY=cfg.rotary, D=cfg.head_dim, BT=triton.next_power_of_2(cache.prefix_len + N), num_warps=4)
+        x1 = new(d)
+        _rows_matmul(attn, block.o_proj.weight, x1, res=x)
+        up, down = (block.gate_up_proj, block.down_proj) if block.swiglu else (block.fc1, block.fc2)
+        act = new(cfg.mlp_dim)
+        _rows_matmul(x1, up.weight, act, norm=block.norm_mlp, bias=up.bias, act=SWIGLU if block.swiglu else GELU)
+        x = new(d)
+        _rows_matmul(act, down.weight, x, bias=down.bias, res=x1)
+    return x

@@ -1,0 +1,100 @@
+"""The fused Weaver step (``kernels.tree_growth.weaver_step``) against its twin, the torch ``Weaver.step``: the
+rows it returns (through ``out_norm``) and the K/V it writes, for both Weaver architectures (SwiGLU + RoPE,
+GELU + learned positions), one and two blocks, nodes whose ancestors were written by earlier calls (Triton's
+interpreter on the CPU, compiled on a GPU; the published shapes in bf16 on the GPU)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dflash_tfm.kernels.tree_growth import weaver_round, weaver_step
+from dflash_tfm.spec.weaver import load_weaver
+from dflash_tfm.spec.weaver_fixtures import write_random_weaver_checkpoint
+
+from ..spec.test_weaver import BLOCK, HIDDEN, K, tiny_target
+from .test_tree_common import rel_err, triton_device  # noqa: F401  (fixture)
+
+
+def random_tree(n: int, leaves: int, max_depth: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Parents before children, depths ≤ max_depth (reached), the last ``leaves`` nodes children of earlier ones only:
+    (depths [n], inclusive ancestors [n, n] bool)."""
+    depths = torch.zeros(n, dtype=torch.long)
+    ancestors = torch.eye(n, dtype=torch.bool)
+    for i in range(1, n):
+        candidates = [j for j in range(min(i, n - leaves)) if depths[j] < max_depth]
+        pick = int(torch.randint(0, len(candidates), (1,), generator=gen))
+        parent = i - 1 if i <= max_depth else candidates[pick]  # a chain to max_depth first, then random
+        depths[i] = depths[parent] + 1
+        ancestors[i] |= ancestors[parent]
+    return depths, ancestors
+
+
+def step_case(weaver, device: str, seed: int, n: int = 28, W: int = 5):
+    """A prefix cache with nodes 0 … n − W − 1 already stepped (one node per call, in order), and the last W
+    nodes (children of those, so none an ancestor of another, as in a tree round) to step now."""
+    gen = torch.Generator().manual_seed(seed)
+    d_model = weaver.config.d_model
+    depths, ancestors = random_tree(n, W, weaver.config.K + 1, gen)  # some nodes beyond K: positions are clamped
+    tokens = torch.randint(0, weaver.token_table.shape[0], (n,), generator=gen)
+    cache = weaver.encode_prefix(torch.randn(d_model, generator=gen).to(device),
+                                 torch.randn(weaver.config.K, d_model, generator=gen).to(device), n)
+    tokens, depths, ancestors = tokens.to(device), depths.to(device), ancestors.to(device)
+    for j in range(n - W):
+        s = torch.tensor([j], device=device)
+        weaver.step(cache, s, tokens[s], depths[s], ancestors[s])
+    return cache, torch.arange(n - W, n, device=device), tokens, depths, ancestors
+
+
+def clone(cache):
+    return type(cache)(cache.k.clone(), cache.v.clone(), cache.prefix_len)
+
+
+@pytest.mark.parametrize("variant, layers", [(1, 1), (1, 2), (2, 1)])
+def test_triton_weaver_step_matches_torch_step(variant: int, layers: int, triton_device: str, tmp_path) -> None:
+    model, cfg = tiny_target()
+    path = tmp_path / "w.pth"
+    write_random_weaver_checkpoint(path, cfg, variant=variant, num_layers=layers, seed=variant)
+    weaver = load_weaver(path, model.to(triton_device), cfg, BLOCK, triton_device, torch.float32)
+    cache, nodes, tokens, depths, ancestors = step_case(weaver, triton_device, seed=layers)
+    assert int(depths.max()) > K  # the clamped positions are exercised
+    want_cache, got_cache = clone(cache), clone(cache)
+    want = weaver.step(want_cache, nodes, tokens[nodes], depths[nodes], ancestors[nodes])
+    rows = weaver_step.weaver_step_rows(weaver, got_cache, nodes, tokens, depths, ancestors)
+    assert rel_err(weaver.out_norm(rows), want) <= 1e-5
+    assert rel_err(got_cache.k, want_cache.k) <= 1e-5 and rel_err(got_cache.v, want_cache.v) <= 1e-5
+    # The output norm fused into the pool re-scoring equals re-scoring the torch step's queries.
+    gen = torch.Generator().manual_seed(0)
+    pool_logits, pool_ids = torch.randn(K, weaver.w_res.shape[0], generator=gen).to(triton_device).topk(24, dim=-1)
+    fused = weaver_round.rescore_pool(weaver.w_res, rows, pool_ids, pool_logits, depths, nodes, norm=weaver.out_norm)
+    plain = weaver_round.rescore_pool(weaver.w_res, want, pool_ids, pool_logits, depths, nodes)
+    assert rel_err(fused, plain) <= 1e-5
+
+
+def test_weaver_step_rejects_too_many_nodes(tmp_path) -> None:
+    model, cfg = tiny_target(HIDDEN)
+    path = tmp_path / "w.pth"
+    write_random_weaver_checkpoint(path, cfg)
+    weaver = load_weaver(path, model, cfg, BLOCK, "cpu", torch.float32)
+    n = weaver_step.MAX_ROWS + 1
+    cache = weaver.encode_prefix(torch.zeros(HIDDEN), torch.zeros(K, HIDDEN), n)
+    if weaver_step.use_triton(cache.k):  # (on the CPU without the interpreter the twin runs, any width)
+        with pytest.raises(ValueError, match="nodes"):
+            weaver_step.weaver_step_rows(weaver, cache, torch.arange(n), torch.zeros(n, dtype=torch.long),
+                                         torch.zeros(n, dtype=torch.long), torch.eye(n, dtype=torch.bool))
+
+
+@pytest.mark.gpu
+def test_weaver_step_matches_torch_step_at_published_shapes(tmp_path) -> None:
+    """d_rank 2048, 16 heads, MLP 2048, K 15, a 65-node tree, W = 4, bf16 (issue 4's Weaver)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU (run scripts/gpu_check.sh on the device machine)")
+    model, cfg = tiny_target(5120)
+    path = tmp_path / "w.pth"
+    write_random_weaver_checkpoint(path, cfg, d_rank=2048, num_heads=16, mlp_dim=2048)
+    weaver = load_weaver(path, model.cuda(), cfg, BLOCK, "cuda", torch.bfloat16)
+    cache, nodes, tokens, depths, ancestors = step_case(weaver, "cuda", seed=0, n=65, W=4)
+    want_cache, got_cache = clone(cache), clone(cache)
+    want = weaver.step(want_cache, nodes, tokens[nodes], depths[nodes], ancestors[nodes])
+    rows = weaver_step.weaver_step_rows(weaver, got_cache, nodes, tokens, depths, ancestors)
+    assert rel_err(weaver.out_norm(rows).float(), want.float()) <= 2e-2
+    assert rel_err(got_cache.k.float(), want_cache.k.float()) <= 2e-2
