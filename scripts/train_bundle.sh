@@ -39,6 +39,8 @@ GEN_BATCH=${GEN_BATCH:-256}
 GEN_SECONDS=${GEN_SECONDS:-240}     # wall-clock cap for data generation; rows are flushed one by one
 GEN_LIMIT=${GEN_LIMIT:-30000}  # prompts (all shards): the whole staged mixture (21,574) in ~3 minutes
 GEN_TOKENS=${GEN_TOKENS:-256}
+GEN_EXTRA_SAMPLES=${GEN_EXTRA_SAMPLES:-0}  # more T = 1 samples per prompt of GEN_EXTRA_SOURCES (ids key#t1sJ)
+GEN_EXTRA_SOURCES=${GEN_EXTRA_SOURCES:-gsm8k_train}
 DFLASH_MINUTES=${DFLASH_MINUTES:-4.5}
 DFLASH_STEPS=${DFLASH_STEPS:-4000}
 DFLASH_BATCH=${DFLASH_BATCH:-16}
@@ -102,7 +104,7 @@ if [[ $PHASES == *gen* ]]; then
   done
   prompts=.stage/prompts.jsonl  # or gzipped, so more prompts fit beside the last GGUF part
   [ -f .stage/prompts.jsonl.gz ] && gunzip -c .stage/prompts.jsonl.gz > "$WORK/prompts.jsonl" && prompts=$WORK/prompts.jsonl
-  say "gen: $GEN_PROCS shards, $GEN_BATCH sequences each, at most ${GEN_SECONDS} s, ${#prev[@]} earlier files kept"
+  say "gen: $GEN_PROCS shards + $GEN_EXTRA_SAMPLES extra samples of $GEN_EXTRA_SOURCES, $GEN_BATCH sequences each, at most ${GEN_SECONDS} s, ${#prev[@]} earlier files kept"
   for i in $(seq 0 $((GEN_PROCS - 1))); do
     temp=0.0; [ "$i" -ge $((GEN_PROCS * 2 / 3)) ] && temp=1.0  # a third of the rows sampled at T = 1
     timeout "$GEN_SECONDS" $PY -m dflash_tfm.train.data --model-path "$GGUF" --prompts-file "$prompts" \
@@ -111,9 +113,15 @@ if [[ $PHASES == *gen* ]]; then
       --device "$DEVICE" --max-model-len 1536 ${prev[@]:+--skip-ids-in "${prev[@]}"} \
       > "$OUT/gen_$i.log" 2>&1 &
   done
+  for j in $(seq 1 "$GEN_EXTRA_SAMPLES"); do
+    timeout "$GEN_SECONDS" $PY -m dflash_tfm.train.data --model-path "$GGUF" --prompts-file "$prompts" \
+      --sources $GEN_EXTRA_SOURCES --id-suffix "#t1s$j" --out "$WORK/data/d_extra$j.jsonl" --limit "$GEN_LIMIT" \
+      --batch-size "$GEN_BATCH" --max-new-tokens "$GEN_TOKENS" --temperature 1.0 --seed $((100 + j)) \
+      --device "$DEVICE" --max-model-len 1536 > "$OUT/gen_extra$j.log" 2>&1 &
+  done
   wait
   if [ "$DEVICE" = cuda ] && [ "$(cat "$WORK/gen_graph_test.rc" 2>/dev/null)" != 0 ]; then
-    mkdir -p "$WORK/suspect" && mv "$WORK"/data/d[0-9]*.jsonl "$WORK/suspect/" 2>/dev/null
+    mkdir -p "$WORK/suspect" && mv "$WORK"/data/d[0-9]*.jsonl "$WORK"/data/d_extra*.jsonl "$WORK/suspect/" 2>/dev/null
     say "gen: the graph decode test failed (gen_graph_test.log): this call's rows moved to $WORK/suspect, stopping"
     exit 1
   fi

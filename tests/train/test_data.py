@@ -151,6 +151,22 @@ def test_rows_of_an_earlier_run_are_not_generated_again(engine, tmp_path):
     assert sorted(r["id"] for r in read(out)) == sorted(p.key for p in PROMPTS[2:4])
 
 
+def test_extra_samples_get_their_own_ids(engine, tmp_path):
+    """`id_suffix` writes more samples of the same prompts beside the plain rows (ids key#suffix), resumable by
+    those ids; a suffix without the separator is refused."""
+    out = tmp_path / "d.jsonl"
+    generate_training_data(engine, PROMPTS[:2], out, max_new_tokens=3, progress=False)
+    s = generate_training_data(engine, PROMPTS[:2], out, max_new_tokens=3, temperature=1.0, seed=5,
+                               id_suffix="#t1s1", progress=False)
+    assert (s.resumed, s.written) == (0, 2)
+    assert sorted(r["id"] for r in read(out)) == ["syn:0", "syn:0#t1s1", "syn:1", "syn:1#t1s1"]
+    again = generate_training_data(engine, PROMPTS[:2], out, max_new_tokens=3, id_suffix="#t1s1", progress=False)
+    assert (again.resumed, again.written) == (2, 0)
+    for bad in ("t1s1", "#a#b"):
+        with pytest.raises(ValueError, match="id_suffix"):
+            generate_training_data(engine, PROMPTS[:2], out, id_suffix=bad, progress=False)
+
+
 def test_long_prompts_are_skipped_and_shards_partition(engine, tmp_path):
     prompts = [PROMPTS[0], TrainingPrompt("syn:long", "hello " * 200, "syn"), *PROMPTS[1:]]
     ids = []
@@ -188,3 +204,8 @@ def test_cli_prompts_file_then_generation(model_dir, tmp_path):
     assert all(r["source"] == "gsm8k_train" and 1 <= len(r["response_ids"]) <= 3 for r in rows)
     assert main(["--model-path", str(model_dir), "--out", str(out), "--sources", "gsm8k_train",
                  "--gsm8k-train", str(tmp_path / "nope.jsonl"), "--no-progress"]) == 2
+    # --sources filters a prompts file: no sharegpt prompt in it, so nothing is written
+    other = tmp_path / "other.jsonl"
+    assert main(["--model-path", str(model_dir), "--out", str(other), "--prompts-file", str(prompts_file),
+                 "--sources", "sharegpt", "--device", "cpu", "--dtype", "float32", "--no-progress"]) == 0
+    assert read(other) == []

