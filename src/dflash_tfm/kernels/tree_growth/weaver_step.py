@@ -132,13 +132,12 @@ def _node_attention_kernel(
     cos / sin [KPOS + 2, D] fp32; ancestors [NSLOTS, NSLOTS] uint8 (inclusive); out [W, H·D]."""
     i = tl.program_id(0)
     h = tl.program_id(1)
-    HALF: tl.constexpr = D // 2
     dtype = out.dtype.element_ty
     slot = tl.load(nodes + i)
     width = H * D
     base = i * 3 * width + h * D
-    o1 = tl.arange(0, HALF)
-    o2 = HALF + o1
+    o1 = tl.arange(0, D // 2)
+    o2 = D // 2 + o1
     q1 = tl.load(qkv + base + o1).to(tl.float32)
     q2 = tl.load(qkv + base + o2).to(tl.float32)
     k1 = tl.load(qkv + base + width + o1).to(tl.float32)
@@ -157,8 +156,31 @@ def _node_attention_kernel(
     tl.store(cache_k + (row * H + h) * D + o2, k2.to(dtype))
     tl.store(cache_v + (row * H + h) * D + tl.arange(0, D), v.to(dtype))
     # Keys: the prefix, then the node's ancestors read from the cache (itself from registers: its row is being
-    # written by this program); masked rows are never loaded.
-    offs_t = tl.arange(0, BT)
+    # written by this program); masked rows are never loaded. Two passes over key blocks of BT: the softmax
+    # statistics, then the probabilities (rounded to the value dtype, as the torch step casts them) times V.
+    s_self = (tl.sum(k1 * q1, axis=0) + tl.sum(k2 * q2, axis=0)) * scale
+    m = s_self
+    denom = tl.exp(s_self - m)  # 1: the node's own key (an fp32 tensor, as the loop carries it)
+    for t0 in range(0, P + NSLOTS, BT):
+        s, visible, key = _key_scores(cache_k, ancestors, q1, q2, o1, o2, slot, row, t0, P, NSLOTS, H, h, D, scale, BT)
+        m_new = tl.maximum(m, tl.max(s, axis=0))
+        denom = denom * tl.exp(m - m_new) + tl.sum(tl.where(visible, tl.exp(s - m_new), 0.0), axis=0)
+        m = m_new
+    o = (tl.exp(s_self - m) / denom).to(dtype).to(tl.float32) * v
+    for t0 in range(0, P + NSLOTS, BT):
+        s, visible, key = _key_scores(cache_k, ancestors, q1, q2, o1, o2, slot, row, t0, P, NSLOTS, H, h, D, scale, BT)
+        p = tl.where(visible, tl.exp(s - m) / denom, 0.0).to(dtype).to(tl.float32)
+        vc = tl.load(cache_v + key + tl.arange(0, D)[None, :], mask=visible[:, None], other=0.0).to(tl.float32)
+        o += tl.sum(p[:, None] * vc, axis=0)
+    tl.store(out + i * width + h * D + tl.arange(0, D), o.to(dtype))
+
+
+@triton.jit
+def _key_scores(cache_k, ancestors, q1, q2, o1, o2, slot, row, t0, P, NSLOTS, H, h, D: tl.constexpr, scale,
+                BT: tl.constexpr):
+    """Scores q·k·scale of cache rows t0 … t0 + BT (−inf where not visible: beyond the rows, not an ancestor, or
+    the node itself), the visibility mask and the rows' element offsets."""
+    offs_t = t0 + tl.arange(0, BT)
     in_slots = (offs_t >= P) & (offs_t < P + NSLOTS)
     anc = tl.load(ancestors + slot * NSLOTS + (offs_t - P), mask=in_slots, other=0)
     visible = (offs_t < P) | ((anc != 0) & (offs_t != row))
@@ -166,17 +188,7 @@ def _node_attention_kernel(
     kc1 = tl.load(cache_k + key + o1[None, :], mask=visible[:, None], other=0.0).to(tl.float32)
     kc2 = tl.load(cache_k + key + o2[None, :], mask=visible[:, None], other=0.0).to(tl.float32)
     s = (tl.sum(kc1 * q1[None, :], axis=1) + tl.sum(kc2 * q2[None, :], axis=1)) * scale
-    s = tl.where(visible, s, -float("inf"))
-    s_self = (tl.sum(k1 * q1, axis=0) + tl.sum(k2 * q2, axis=0)) * scale
-    m = tl.maximum(tl.max(s, axis=0), s_self)
-    p = tl.where(visible, tl.exp(s - m), 0.0)
-    p_self = tl.exp(s_self - m)
-    denom = tl.sum(p, axis=0) + p_self
-    p = (p / denom).to(dtype).to(tl.float32)  # probabilities in the value dtype, as the torch step casts them
-    p_self = (p_self / denom).to(dtype).to(tl.float32)
-    vc = tl.load(cache_v + key + tl.arange(0, D)[None, :], mask=visible[:, None], other=0.0).to(tl.float32)
-    o = tl.sum(p[:, None] * vc, axis=0) + p_self * v
-    tl.store(out + i * width + h * D + tl.arange(0, D), o.to(dtype))
+    return tl.where(visible, s, -float("inf")), visible, key
 
 
 def _block_n(n: int) -> int:
@@ -236,7 +248,7 @@ def weaver_step_rows(weaver: Weaver, cache: WeaverCache, nodes: torch.Tensor, to
         _node_attention_kernel[(W, cfg.num_heads)](
             qkv, cache.k[layer], cache.v[layer], cos, sin, nodes, depths, ancestors.view(torch.uint8), attn,
             cache.prefix_len, N, cfg.num_heads, cfg.K, cfg.head_dim ** -0.5,
-            ROTARY=cfg.rotary, D=cfg.head_dim, BT=triton.next_power_of_2(cache.prefix_len + N), num_warps=4)
+            ROTARY=cfg.rotary, D=cfg.head_dim, BT=32, num_warps=4)
         x1 = new(d)
         _rows_matmul(attn, block.o_proj.weight, x1, res=x)
         up, down = (block.gate_up_proj, block.down_proj) if block.swiglu else (block.fc1, block.fc2)
