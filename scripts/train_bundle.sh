@@ -55,6 +55,9 @@ TAU_DATASETS=${TAU_DATASETS:-"mtbench humaneval gsm8k math500"}
 TAU_TEMPS=${TAU_TEMPS:-"0 1"}
 TAU_BUDGETS=${TAU_BUDGETS:-"64 32 16"}
 TAU_ALGORITHMS=${TAU_ALGORITHMS:-"DFLASH DDTREE DFLASH_TFM"}
+# ';' splits the budgets into sets measured by parallel processes (e.g. "64;32 16": 16 processes, one call);
+# the chain (DFLASH, budget-free) runs only with the first set.
+TAU_BUDGET_SETS=${TAU_BUDGET_SETS:-$TAU_BUDGETS}
 export PYTHONUNBUFFERED=1 TQDM_MININTERVAL=${TQDM_MININTERVAL:-15}
 # Dozens of short-lived processes share 16 cores: compiling the fused helpers in each would cost more than it
 # saves (τ does not depend on it; tok/s from these contended runs is not a speed measurement anyway).
@@ -165,18 +168,25 @@ if [[ $PHASES == *weaver* ]]; then
 fi
 
 if [[ $PHASES == *tau* ]]; then
-  # One process per dataset and temperature, 2 threads each: 32 processes (one per cell) spent the whole 240 s
-  # loading weights on 16 cores. Budgets run in sequence inside a process; every finished cell is written.
+  # One process per dataset, temperature and budget set, 2 threads each (32 processes, one per cell, spent the
+  # whole 240 s loading weights on 16 cores; 8 worked). A set's budgets run in sequence; every finished cell is written.
   join_gguf
   [ -d "$WORK/bundle/dflash" ] || cp -r "${TAU_BUNDLE:-src/dflash_tfm/assets/smollm2_bundle}/." "$WORK/bundle/"
-  say "tau: datasets ($TAU_DATASETS), temperatures ($TAU_TEMPS), budgets ($TAU_BUDGETS), at most ${TAU_SECONDS} s"
+  say "tau: datasets ($TAU_DATASETS), temperatures ($TAU_TEMPS), budget sets ($TAU_BUDGET_SETS), at most ${TAU_SECONDS} s"
   mkdir -p "$OUT/tau"
+  IFS=';' read -ra budget_sets <<< "$TAU_BUDGET_SETS"
   for ds in $TAU_DATASETS; do
     for temp in $TAU_TEMPS; do
-      OMP_NUM_THREADS=2 timeout "$TAU_SECONDS" $PY -m benchmarks.measure_acceptance --target-path "$GGUF" \
-        --bundle "$WORK/bundle" --datasets "$ds" --dataset-dir .stage/datasets --prompts-per-dataset "$TAU_PROMPTS" \
-        --max-new-tokens "$TAU_TOKENS" --temperatures "$temp" --budgets $TAU_BUDGETS --algorithms $TAU_ALGORITHMS \
-        --device "$DEVICE" --out "$OUT/tau/${ds}_t$temp.jsonl" > "$OUT/tau/${ds}_t$temp.log" 2>&1 &
+      algorithms=$TAU_ALGORITHMS
+      for budgets in "${budget_sets[@]}"; do
+        [ -n "${algorithms// }" ] || continue
+        name=${ds}_t${temp}_b$(echo $budgets | tr ' ' _)
+        OMP_NUM_THREADS=2 timeout "$TAU_SECONDS" $PY -m benchmarks.measure_acceptance --target-path "$GGUF" \
+          --bundle "$WORK/bundle" --datasets "$ds" --dataset-dir .stage/datasets --prompts-per-dataset "$TAU_PROMPTS" \
+          --max-new-tokens "$TAU_TOKENS" --temperatures "$temp" --budgets $budgets --algorithms $algorithms \
+          --device "$DEVICE" --out "$OUT/tau/$name.jsonl" > "$OUT/tau/$name.log" 2>&1 &
+        algorithms=$(echo " $algorithms " | sed 's/ DFLASH / /')  # the chain once per dataset and temperature
+      done
     done
   done
   wait
