@@ -117,12 +117,13 @@ def main() -> None:
 
     result["drafter_store_gather_ms"] = timer(gather, args.iters, warmup=3)
 
-    def drafter_step() -> None:
+    def drafter_step(distill: bool = False) -> None:
         batch_rows, batch = nth()
-        feats = store.gather([r.tokens for r in batch_rows], batch.tokens.shape[1])[1]
-        dflash_trainer.train_step(drafter, feats, batch, decay, optim, 1.0, autocast)
+        hidden, feats = store.gather([r.tokens for r in batch_rows], batch.tokens.shape[1])
+        dflash_trainer.train_step(drafter, (hidden if distill else None, feats), batch, decay, optim, 1.0, autocast)
 
     result["drafter_train_step_ms"] = timer(drafter_step, args.iters, warmup=5)
+    result["drafter_train_step_distill_ms"] = timer(lambda: drafter_step(distill=True), args.iters, warmup=5)
     if args.profile and dev.type == "cuda":
         print_kernel_table(drafter_step, "drafter step (store gather + train_step)")
 

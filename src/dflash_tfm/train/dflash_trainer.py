@@ -5,7 +5,10 @@ they fit in memory (`FeatureStore`), else by a target pass over each batch. In e
 random response positions become blocks `[token at anchor, MASK x (B-1)]`; `block_forward` runs them all through
 the drafter at once, each seeing the context strictly before its anchor plus its own block, never another block.
 The loss is cross-entropy of block positions k = 1 .. B-1 against the true tokens anchor + k, weighted exp(-(k-1)/gamma)
-(early positions matter most: a chain is accepted only up to its first miss). The target's embeddings and
+(early positions matter most: a chain is accepted only up to its first miss); with `distill` the labels are the
+target's own next-token distributions at anchor + k - 1 instead of its sampled tokens (soft labels from the
+stored final hidden states and the shared lm_head: on rows sampled at T > 0 the sampled token is a noisy
+stand-in for the distribution the drafter should match). The target's embeddings and
 lm_head are shared, frozen and not saved; only the drafter's own weights train (fp32 master weights, the
 target's dtype under autocast), with AdamW, linear warm-up then cosine decay, and gradient clipping.
 
@@ -74,30 +77,48 @@ def make_batch(rows: list[TrainRow], anchors_per_seq: int, block_size: int, gen:
 
 
 def block_loss_and_hits(
-    drafter: DFlashDrafter, features: torch.Tensor, batch: Batch, decay: torch.Tensor
+    drafter: DFlashDrafter, features: torch.Tensor, batch: Batch, decay: torch.Tensor,
+    target_hidden: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Weighted CE over the valid labels, plus per-label correctness [b, N, B-1] (False where invalid) and
-    the validity mask. The lm_head runs on valid positions only."""
+    the validity mask. The lm_head runs on valid positions only. With `target_hidden` (the target's
+    final-normed hidden states [b, T, H] of the batch) the CE is against the target's softmax at the position
+    before each label (`soft_labels`) instead of the label token."""
     hidden = block_forward(drafter, features, batch.tokens, batch.anchors)
     valid = batch.labels != IGNORE
     logits = F.linear(hidden[valid], drafter.lm_head_weight).float()
     targets = batch.labels[valid]
     weights = decay.expand_as(batch.labels)[valid]
-    ce = F.cross_entropy(logits, targets, reduction="none")
+    soft = None if target_hidden is None else soft_labels(drafter, target_hidden, batch.anchors, valid)
+    ce = F.cross_entropy(logits, targets if soft is None else soft, reduction="none")
     loss = (ce * weights).sum() / weights.sum().clamp(min=1e-9)
     hits = torch.zeros_like(valid)
     hits[valid] = logits.argmax(-1) == targets
     return loss, hits, valid
 
 
+@torch.no_grad()
+def soft_labels(drafter: DFlashDrafter, target_hidden: torch.Tensor, anchors: torch.Tensor,
+                valid: torch.Tensor) -> torch.Tensor:
+    """The target's next-token distributions fp32 [n_valid, V] for the valid labels: label k of the block at
+    anchor a is token a + k, which the target predicts from its hidden state at a + k - 1."""
+    b, T = target_hidden.shape[:2]
+    before = (anchors.unsqueeze(-1) + torch.arange(valid.shape[-1], device=anchors.device)).clamp(max=T - 1)
+    rows = torch.arange(b, device=anchors.device).view(b, 1, 1).expand_as(before)
+    h = target_hidden[rows[valid], before[valid]]
+    return F.linear(h, drafter.lm_head_weight).float().softmax(-1)
+
+
 def train_step(
-    drafter: DFlashDrafter, features: torch.Tensor, batch: Batch, decay: torch.Tensor,
+    drafter: DFlashDrafter, features: tuple[torch.Tensor | None, torch.Tensor], batch: Batch, decay: torch.Tensor,
     optim: torch.optim.Optimizer, grad_clip: float, autocast: torch.autocast,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One optimizer step on one batch -> (loss, gradient norm before clipping), both still on the device.
-    `features` come from the target in its own dtype, as at inference: outside autocast."""
+    `features` = (the target's final hidden states when distilling, else None; its tap features), in the
+    target's own dtype, as at inference: outside autocast."""
+    target_hidden, feats = features
     with autocast:
-        loss, _, _ = block_loss_and_hits(drafter, features, batch, decay)
+        loss, _, _ = block_loss_and_hits(drafter, feats, batch, decay, target_hidden)
     optim.zero_grad(set_to_none=True)
     loss.backward()
     grad_norm = torch.nn.utils.clip_grad_norm_([p for g in optim.param_groups for p in g["params"]], grad_clip)
@@ -105,14 +126,18 @@ def train_step(
     return loss.detach(), grad_norm
 
 
-BatchFeatures = Callable[[list[TrainRow], torch.Tensor], torch.Tensor]  # (rows, their padded tokens) -> target features
+# (rows, their padded tokens) -> (target final hidden states or None, target tap features)
+BatchFeatures = Callable[[list[TrainRow], torch.Tensor], tuple[torch.Tensor | None, torch.Tensor]]
 
 
-def batch_features(features: TargetFeatures, store: FeatureStore | None) -> BatchFeatures:
-    """Features of a batch: gathered from the store when there is one, else a target pass over the tokens."""
-    if store is None:
-        return lambda rows, tokens: features(tokens)
-    return lambda rows, tokens: store.gather([r.tokens for r in rows], tokens.shape[1])[1]
+def batch_features(features: TargetFeatures, store: FeatureStore | None, with_hidden: bool) -> BatchFeatures:
+    """Target outputs of a batch (final hidden states only `with_hidden`): gathered from the store when there
+    is one (built with them), else a target pass over the tokens."""
+    if store is not None:
+        return lambda rows, tokens: store.gather([r.tokens for r in rows], tokens.shape[1])
+    if with_hidden:
+        return lambda rows, tokens: features.hidden_and_features(tokens)
+    return lambda rows, tokens: (None, features(tokens))
 
 
 @dataclass
@@ -139,7 +164,7 @@ def validate(drafter: DFlashDrafter, features: BatchFeatures, rows: list[TrainRo
     loss_sum = weight_sum = streak_sum = blocks = 0.0
     for s in range(0, len(rows), batch_size):
         batch = make_batch(rows[s : s + batch_size], anchors_per_seq, B, gen, decay.device)
-        feats = features(rows[s : s + batch_size], batch.tokens)
+        _, feats = features(rows[s : s + batch_size], batch.tokens)
         with autocast:
             loss, hits, valid = block_loss_and_hits(drafter, feats, batch, decay)
         w = (decay.expand_as(batch.labels) * valid).sum().item()
@@ -230,6 +255,7 @@ def train_dflash(
     init_from: str | Path | None = None,
     tokenizer: object | None = None,
     cache_features: bool | None = None,
+    distill: bool = False,
     progress: bool = True,
 ) -> TrainResult:
     """Train a drafter for `target` (a local checkpoint path, or an already-built `CausalLM`: then `device`
@@ -245,7 +271,8 @@ def train_dflash(
     larger `num_layers` grows it, `continue_drafter`; the optimizer starts fresh, warm-up included), so a run
     can span several time-limited jobs.
     `cache_features`: run the target once over all rows and keep its features (`FeatureStore`); None = when
-    they fit (`store_fits`).
+    they fit (`store_fits`). `distill`: soft labels, the target's next-token distributions (`soft_labels`;
+    validation still scores against the data's tokens, so runs with and without compare).
     `result.drafter` is the last state, `result.saved_step` says which was saved.
     """
     budget = StepBudget(steps, time_budget_s)
@@ -277,12 +304,12 @@ def train_dflash(
         block_size = drafter.config.block_size
     drafter.allocate(max_len + block_size)  # RoPE table for every block position
     target_features = TargetFeatures(model, drafter.config.target_layer_ids, max_len)
-    width = tcfg.hidden_size * len(drafter.config.target_layer_ids)
+    width = tcfg.hidden_size * (len(drafter.config.target_layer_ids) + distill)
     if cache_features is None:
         cache_features = store_fits(sum(len(r.tokens) for r in rows), width, dtype, device)
-    store = FeatureStore(target_features, [r.tokens for r in rows], with_hidden=False, progress=progress) \
+    store = FeatureStore(target_features, [r.tokens for r in rows], with_hidden=distill, progress=progress) \
         if cache_features else None
-    features = batch_features(target_features, store)
+    features = batch_features(target_features, store, with_hidden=distill)
 
     decay = torch.exp(-torch.arange(block_size - 1, device=device, dtype=torch.float32) / gamma)
     params = [p for p in drafter.parameters() if p.requires_grad]
@@ -380,6 +407,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="continue training this saved drafter directory (its config wins over the shape flags)")
     p.add_argument("--no-feature-cache", action="store_true",
                    help="re-run the target every step instead of keeping its features of all rows in memory")
+    p.add_argument("--distill", action="store_true",
+                   help="soft labels: the target's next-token distributions instead of the data's tokens")
     p.add_argument("--no-progress", action="store_true")
     return p
 
@@ -403,7 +432,7 @@ def main(argv: list[str] | None = None) -> int:
             seed=args.seed, val_frac=args.val_frac, log_every=args.log_every, eval_every=args.eval_every,
             time_budget_s=None if args.time_budget_minutes is None else 60 * args.time_budget_minutes,
             init_from=args.init_from, cache_features=False if args.no_feature_cache else None,
-            progress=not args.no_progress,
+            distill=args.distill, progress=not args.no_progress,
         )
     except (FileNotFoundError, CheckpointError, ValueError) as e:
         print(f"dflash-tfm train-dflash: error: {e}", file=sys.stderr)
