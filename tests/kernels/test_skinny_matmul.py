@@ -45,13 +45,17 @@ def test_dispatch_runs_linear_off_cuda_and_rejects_a_width_mismatch() -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows", [16, 65])
 def test_gpu_dispatch_matches_cublas_27b_shapes(rows: int) -> None:
-    """Qwen3.6-27B projections (bf16): whichever kernel the timing picks agrees with cuBLAS to bf16 rounding."""
+    """Qwen3.6-27B projections (bf16): whichever kernel the timing picks agrees with cuBLAS to bf16 rounding, and
+    so do the cuBLASLt and the first Triton candidates themselves."""
     for N, K in [(34816, 5120), (5120, 17408), (5120, 6144), (12288 + 2 * 1024 + 2 * 48, 5120)]:
         x = torch.randn(1, rows, K, device="cuda", dtype=torch.bfloat16)
         w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) / K**0.5
         ref = F.linear(x, w)
         with linear_module.skinny_projections():
             assert rel_err(linear_module.linear(x, w), ref) <= 1e-2
+        before = torch.backends.cuda.preferred_blas_library()
+        assert rel_err(linear_module.cublaslt_linear(x, w), ref) <= 1e-2
+        assert torch.backends.cuda.preferred_blas_library() == before  # the process-wide preference is restored
         for config in candidate_configs(rows, N, K, sms=132)[:2]:
             assert rel_err(skinny_matmul(x, w, config), ref) <= 1e-2
 

@@ -1,11 +1,12 @@
-"""Projections: cuBLAS, or the Triton skinny matmul for 2 … 128 rows where it measured faster for that shape.
+"""Projections: cuBLAS, cuBLASLt or the Triton skinny matmul for 2 … 128 rows, whichever measured fastest for that shape.
 
 Tree verify (N = budget + 1 rows) and drafter blocks (16 rows) multiply a few rows by large weights, where
 cuBLAS's GEMM tiles may stream the weights more slowly than its batch-1 GEMV does. Only code inside
 `skinny_projections()` (the speculative step, whose row counts are fixed per decoder) is considered, so
 prefills of short prompts never pay for a choice. Which kernel runs is decided per exact (rows, N, K, dtype)
-the first time the shape is seen outside a CUDA-graph capture (`MeasuredChoice`): cuBLAS and every candidate
-configuration are timed and the fastest is kept for the process. DFLASH_TFM_SKINNY_GEMM=0 keeps cuBLAS everywhere.
+the first time the shape is seen outside a CUDA-graph capture (`MeasuredChoice`): cuBLAS, the same GEMM through
+cuBLASLt (its own heuristic picks other tiles and split-K variants for few rows) and every Triton configuration are
+timed and the fastest is kept for the process. DFLASH_TFM_SKINNY_GEMM=0 keeps cuBLAS everywhere.
 """
 from __future__ import annotations
 
@@ -47,12 +48,25 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return F.linear(x, weight)
     key = (rows, *weight.shape, x.dtype, weight.dtype, x.device)
     name = _choice.pick(key, lambda: _candidates(x, weight, rows))
-    return F.linear(x, weight) if name == "cublas" else skinny_matmul(x, weight, _configs[name])
+    if name == "cublas":
+        return F.linear(x, weight)
+    return cublaslt_linear(x, weight) if name == "cublaslt" else skinny_matmul(x, weight, _configs[name])
+
+
+def cublaslt_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``F.linear`` dispatched to cuBLASLt (CUDA only: the preference is process-wide, so it is set for this call
+    and restored; under a capture the graph keeps the cuBLASLt kernel)."""
+    previous = torch.backends.cuda.preferred_blas_library()
+    torch.backends.cuda.preferred_blas_library("cublaslt")
+    try:
+        return F.linear(x, weight)
+    finally:
+        torch.backends.cuda.preferred_blas_library(previous)
 
 
 def _candidates(x: torch.Tensor, weight: torch.Tensor, rows: int) -> dict:
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-    candidates: dict = {"cublas": lambda: F.linear(x, weight)}
+    candidates: dict = {"cublas": lambda: F.linear(x, weight), "cublaslt": lambda: cublaslt_linear(x, weight)}
     for config in candidate_configs(rows, weight.shape[0], weight.shape[1], sms):
         _configs[str(config)] = config
         candidates[str(config)] = lambda c=config: skinny_matmul(x, weight, c)
@@ -60,6 +74,6 @@ def _candidates(x: torch.Tensor, weight: torch.Tensor, rows: int) -> dict:
 
 
 def chosen_kernels() -> dict[tuple, str]:
-    """What each shape seen so far runs (for benchmarks' reports): "cublas" or the Triton configuration."""
+    """What each shape seen so far runs (for benchmarks' reports): "cublas", "cublaslt" or the Triton configuration."""
     return {key[:3]: name for key, name in _choice.choices.items()}
 
