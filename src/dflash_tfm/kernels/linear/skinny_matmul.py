@@ -4,7 +4,9 @@ At these sizes a projection is a weight stream: each weight byte is used M times
 cores could do with it, so the kernel's only job is to keep enough weight bytes in flight. One program owns a
 ``BM × BN`` output tile and a slice of K (split-K when N alone gives too few programs to fill the GPU); the
 split partials go to an fp32 workspace ``[SPLIT_K, M, N]`` and a second kernel sums them in a fixed order, so
-results are deterministic (no atomics) and identical between eager runs and CUDA-graph replays.
+results are deterministic (no atomics) and identical between eager runs and CUDA-graph replays. A configuration
+with ``tma`` loads both tiles through host-made tensor descriptors (Hopper's TMA engine: no address arithmetic
+or masks in the loop, out-of-bounds reads are zeros), when the operands are contiguous and 16-byte aligned.
 The twin is ``F.linear``. Which of the two runs for a shape is decided by timing (``layers/linear.py``).
 """
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from dflash_tfm.kernels import use_triton
 
@@ -26,6 +29,7 @@ class SkinnyConfig:
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 4
+    tma: bool = False
 
 
 @triton.jit
@@ -50,6 +54,26 @@ def _skinny_matmul_kernel(
         acc += tl.dot(a, b)
     tl.store(out + split * sos + offs_m[:, None] * som + offs_n[None, :] * son,
              acc.to(out.dtype.element_ty), mask=mm[:, None] & nm[None, :])
+
+
+@triton.jit
+def _skinny_matmul_tma_kernel(
+    x_desc, w_desc, out, M, N, K, k_per_split, som, son, sos,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+):
+    """``_skinny_matmul_kernel`` with the x [M, K] and w [N, K] tiles loaded through tensor descriptors."""
+    n0 = tl.program_id(0) * BN
+    m0 = tl.program_id(1) * BM
+    split = tl.program_id(2)
+    k_lo = split * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BK):  # k_per_split is a multiple of BK: a tile never crosses into the next split
+        acc += tl.dot(x_desc.load([m0, k0]), w_desc.load([n0, k0]).T)
+    offs_m = m0 + tl.arange(0, BM)
+    offs_n = n0 + tl.arange(0, BN)
+    tl.store(out + split * sos + offs_m[:, None] * som + offs_n[None, :] * son, acc.to(out.dtype.element_ty),
+             mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
 
 
 @triton.jit
@@ -80,10 +104,17 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, config: SkinnyConfig = 
     splits = triton.cdiv(K, k_per_split)
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     target = out if splits == 1 else torch.empty(splits, M, N, dtype=torch.float32, device=x.device)
-    _skinny_matmul_kernel[(triton.cdiv(N, c.block_n), triton.cdiv(M, BM), splits)](
-        x2, weight, target, M, N, K, k_per_split, *x2.stride(), *weight.stride(),
-        target.stride(-2), target.stride(-1), target.stride(0) if splits > 1 else 0,
-        BM=BM, BN=c.block_n, BK=c.block_k, num_warps=c.num_warps, num_stages=c.num_stages)
+    grid = (triton.cdiv(N, c.block_n), triton.cdiv(M, BM), splits)
+    out_strides = (target.stride(-2), target.stride(-1), target.stride(0) if splits > 1 else 0)
+    if c.tma and tma_ready(x2, weight):
+        _skinny_matmul_tma_kernel[grid](
+            TensorDescriptor.from_tensor(x2, [BM, c.block_k]), TensorDescriptor.from_tensor(weight, [c.block_n, c.block_k]),
+            target, M, N, K, k_per_split, *out_strides,
+            BM=BM, BN=c.block_n, BK=c.block_k, num_warps=c.num_warps, num_stages=c.num_stages)
+    else:
+        _skinny_matmul_kernel[grid](
+            x2, weight, target, M, N, K, k_per_split, *x2.stride(), *weight.stride(), *out_strides,
+            BM=BM, BN=c.block_n, BK=c.block_k, num_warps=c.num_warps, num_stages=c.num_stages)
     if splits > 1:
         BLOCK = 1024
         _sum_splits_kernel[(triton.cdiv(M * N, BLOCK),)](target, out, M * N, SPLIT_K=splits, BLOCK=BLOCK)
@@ -91,6 +122,12 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, config: SkinnyConfig = 
 
 
 MAX_ROWS = 128  # one row tile: every weight byte is read once
+
+
+def tma_ready(*tensors: torch.Tensor) -> bool:
+    """Whether tensor descriptors can address these 2-D operands: contiguous, 16-byte aligned base and rows."""
+    return all(t.is_contiguous() and t.data_ptr() % 16 == 0 and t.shape[-1] * t.element_size() % 16 == 0
+               for t in tensors)
 
 
 def block_m(M: int) -> int:
@@ -103,7 +140,7 @@ SHARED_MEMORY_BUDGET = 200 * 1024  # bytes of pipelined tiles per program (sm_90
 def candidate_configs(M: int, N: int, K: int, sms: int) -> list[SkinnyConfig]:
     """The configurations worth timing for one shape: tile widths and K depths that keep many weight bytes in
     flight, with the split-K that brings the program count near two per SM, 8 warps for tall tiles, and as many
-    pipeline stages (≤ 4) as fit the shared memory."""
+    pipeline stages (≤ 4) as fit the shared memory; each tile shape also with TMA loads."""
     configs = []
     for block_n in (64, 128):
         for block_k in (128, 256):
@@ -117,4 +154,5 @@ def candidate_configs(M: int, N: int, K: int, sms: int) -> list[SkinnyConfig]:
                 split *= 2
             for warps in ((4, 8) if block_m(M) >= 64 else (4,)):
                 configs.append(SkinnyConfig(block_n, block_k, split, warps, num_stages=stages))
+            configs.append(SkinnyConfig(block_n, block_k, split, 4, num_stages=stages, tma=True))
     return configs
