@@ -4,13 +4,15 @@
 # work directory $WORK kept on the (warm) machine between calls and everything worth keeping copied to $OUT.
 #
 #   PHASES="stage"        copy the carried GGUF parts .stage/smol/part_* to /tmp/smol (one call per part that
-#                         does not fit beside the others: a call carries at most 64 MiB with the tree), and
+#                         does not fit beside the others: a call carries at most 64 MiB with the tree), the
+#                         carried .stage/datasets and prompts to /tmp/stage (later calls need not carry them), and
 #                         an earlier run's rows .stage/data/d*.jsonl if carried: gen keeps them and skips
 #                         their prompts (or .stage/prev_rows.tar.gz, an earlier run's returned data.tar.gz)
-#   PHASES="gen dflash"   join the GGUF, generate data, train the drafter (right after; carry .whl, the last
-#                         part, .stage/prompts.jsonl or .stage/prompts.jsonl.gz, .stage/datasets)
-#   PHASES="weaver tau"   train Weaver, measure τ (call 3, right after; same carry minus the GGUF part; on a
-#                         machine that went cold, stage again and carry a returned drafter as .stage/bundle/dflash)
+#   PHASES="gen dflash"   join the GGUF, generate data, train the drafter (right after; carry the last part,
+#                         plus .whl, .stage/prompts.jsonl[.gz] and .stage/datasets unless earlier calls of this
+#                         machine installed / staged them)
+#   PHASES="weaver tau"   train Weaver, measure τ (right after; nothing more to carry then; on a machine that
+#                         went cold, stage again and carry a returned drafter as .stage/bundle/dflash)
 # Sizes come from the environment (defaults: a small run; the bundle README has the committed bundle's calls);
 # DEVICE=cpu runs it small here.
 # DFLASH_INIT / WEAVER_INIT continue training from a saved drafter directory / Weaver file (e.g. the
@@ -63,18 +65,24 @@ export PYTHONUNBUFFERED=1 TQDM_MININTERVAL=${TQDM_MININTERVAL:-15}
 # Dozens of short-lived processes share 16 cores: compiling the fused helpers in each would cost more than it
 # saves (τ does not depend on it; tok/s from these contended runs is not a speed measurement anyway).
 export DFLASH_TFM_COMPILE=0
+# Wheels: installed from a carried .whl/, or already installed by an earlier call on this (warm) machine.
 if [ "$DEVICE" = cuda ] && ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site:src:.
-else
-  export PYTHONPATH=src:.
 fi
+if [ "$DEVICE" = cuda ] && [ -d /tmp/site ]; then export PYTHONPATH=/tmp/site:src:.; else export PYTHONPATH=src:.; fi
 PY=${PY:-python3}
 t0=$SECONDS
 say() { echo "[$((SECONDS - t0)) s] $*" | tee -a "$OUT/train_bundle.txt"; }
 
+staged() {  # a carried .stage/ item, else the copy a stage call of this (warm) machine left in /tmp/stage
+  if [ -e ".stage/$1" ]; then echo ".stage/$1"; else echo "/tmp/stage/$1"; fi
+}
+
 if [[ $PHASES == *stage* ]]; then
-  mkdir -p /tmp/smol && cp .stage/smol/part_* /tmp/smol/ && say "staged $(ls .stage/smol)"
+  mkdir -p /tmp/smol && cp .stage/smol/part_* /tmp/smol/ 2>/dev/null && say "staged $(ls .stage/smol)"
+  for item in datasets prompts.jsonl prompts.jsonl.gz; do  # so later calls need not carry them
+    [ -e ".stage/$item" ] && mkdir -p /tmp/stage && cp -r ".stage/$item" /tmp/stage/ && say "staged $item"
+  done
   if ls .stage/data/d*.jsonl >/dev/null 2>&1; then
     mkdir -p "$WORK/prev_data" && cp .stage/data/d*.jsonl "$WORK/prev_data/" && say "staged $(ls .stage/data)"
   fi
@@ -106,8 +114,9 @@ if [[ $PHASES == *gen* ]]; then
   for f in "$WORK"/prev_data/d*.jsonl; do
     [ -f "$f" ] && cp "$f" "$WORK/data/dprev_$(basename "$f")" && prev+=("$f")
   done
-  prompts=.stage/prompts.jsonl  # or gzipped, so more prompts fit beside the last GGUF part
-  [ -f .stage/prompts.jsonl.gz ] && gunzip -c .stage/prompts.jsonl.gz > "$WORK/prompts.jsonl" && prompts=$WORK/prompts.jsonl
+  prompts=$(staged prompts.jsonl)  # or gzipped, so more prompts fit beside a GGUF part
+  gz=$(staged prompts.jsonl.gz)
+  [ -f "$gz" ] && gunzip -c "$gz" > "$WORK/prompts.jsonl" && prompts=$WORK/prompts.jsonl
   say "gen: $GEN_PROCS shards + $GEN_EXTRA_SAMPLES extra samples of $GEN_EXTRA_SOURCES, $GEN_BATCH sequences each, at most ${GEN_SECONDS} s, ${#prev[@]} earlier files kept"
   for i in $(seq 0 $((GEN_PROCS - 1))); do
     temp=0.0; [ "$i" -ge $((GEN_PROCS * 2 / 3)) ] && temp=1.0  # a third of the rows sampled at T = 1
@@ -183,7 +192,7 @@ if [[ $PHASES == *tau* ]]; then
         [ -n "${algorithms// }" ] || continue
         name=${ds}_t${temp}_b$(echo $budgets | tr ' ' _)
         OMP_NUM_THREADS=2 timeout "$TAU_SECONDS" $PY -m benchmarks.measure_acceptance --target-path "$GGUF" \
-          --bundle "$WORK/bundle" --datasets "$ds" --dataset-dir .stage/datasets --prompts-per-dataset "$TAU_PROMPTS" \
+          --bundle "$WORK/bundle" --datasets "$ds" --dataset-dir "$(staged datasets)" --prompts-per-dataset "$TAU_PROMPTS" \
           --max-new-tokens "$TAU_TOKENS" --temperatures "$temp" --budgets $budgets --algorithms $algorithms \
           --device "$DEVICE" --out "$OUT/tau/$name.jsonl" > "$OUT/tau/$name.log" 2>&1 &
         algorithms=$(echo " $algorithms " | sed 's/ DFLASH / /')  # the chain once per dataset and temperature
