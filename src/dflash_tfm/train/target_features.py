@@ -60,11 +60,7 @@ class FeatureStore:
 
     def __init__(self, features: TargetFeatures, rows: Sequence[list[int]], *, with_hidden: bool,
                  batch_rows: int = 32, progress: bool = True) -> None:
-        lengths = [len(r) for r in rows]
-        starts = [0]
-        for n in lengths:
-            starts.append(starts[-1] + n)
-        self._slot = {id(r): (s, n) for r, s, n in zip(rows, starts, lengths)}
+        lengths, starts = self._layout(rows)
         embed = features.model.embed_tokens
         device, dtype, hidden = embed.device, embed.dtype, embed.shape[1]
         self.features = torch.empty(starts[-1], hidden * len(features.tap_layers), dtype=dtype, device=device)
@@ -82,6 +78,27 @@ class FeatureStore:
                 self.features[rows_at] = f[j, : lengths[r]]
                 if self.hidden is not None:
                     self.hidden[rows_at] = h[j, : lengths[r]]
+
+    def _layout(self, rows: Sequence[list[int]]) -> tuple[list[int], list[int]]:
+        """Row lengths and flat start offsets (rows back to back, in the given order); indexes rows by identity."""
+        lengths = [len(r) for r in rows]
+        starts = [0]
+        for n in lengths:
+            starts.append(starts[-1] + n)
+        self._slot = {id(r): (s, n) for r, s, n in zip(rows, starts, lengths)}
+        return lengths, starts
+
+    @classmethod
+    def from_saved(cls, rows: Sequence[list[int]], per_row: Sequence[torch.Tensor],
+                   device: torch.device) -> FeatureStore:
+        """A store of tap features computed earlier (``tap_file.SavedTapFeatures``): ``per_row[i]`` holds at least
+        ``len(rows[i])`` positions of row i (its first ones are used: a truncated row's features are a prefix);
+        no final hidden states."""
+        store = cls.__new__(cls)
+        lengths, _ = store._layout(rows)
+        store.features = torch.cat([f[:n] for f, n in zip(per_row, lengths)]).to(device)
+        store.hidden = None
+        return store
 
     def __contains__(self, row: list[int]) -> bool:
         return id(row) in self._slot
