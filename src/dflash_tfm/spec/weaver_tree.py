@@ -16,6 +16,8 @@ no host sync, CUDA-graph capturable.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from dflash_tfm.kernels.tree_growth import reference, weaver_round, weaver_step
@@ -75,23 +77,16 @@ def expand_nodes(
 def expand_nodes_with_kernels(
     nodes: torch.Tensor, weaver: Weaver, cache: WeaverCache, tokens: torch.Tensor, depths: torch.Tensor,
     ancestors: torch.Tensor, scores: torch.Tensor, pool_ids: torch.Tensor, pool_logits: torch.Tensor,
-    frontier_score: torch.Tensor, frontier_token: torch.Tensor,
+    frontier_score: torch.Tensor, frontier_token: torch.Tensor, fused_step: bool = False,
 ) -> None:
-    """:func:`expand_nodes` with the re-scoring and publishing as two Triton launches."""
-    query = node_queries_compiled(nodes, weaver, cache, tokens, depths, ancestors)
-    logits = weaver_round.rescore_pool(weaver.w_res, query, pool_ids, pool_logits, depths, nodes)
-    weaver_round.publish_children(logits, pool_ids, depths, scores, frontier_score, frontier_token, nodes)
-
-
-def expand_nodes_fused(
-    nodes: torch.Tensor, weaver: Weaver, cache: WeaverCache, tokens: torch.Tensor, depths: torch.Tensor,
-    ancestors: torch.Tensor, scores: torch.Tensor, pool_ids: torch.Tensor, pool_logits: torch.Tensor,
-    frontier_score: torch.Tensor, frontier_token: torch.Tensor,
-) -> None:
-    """:func:`expand_nodes` as Triton launches only: the fused Weaver step (``kernels.tree_growth.weaver_step``,
-    five launches per block), the re-scoring with the output norm fused in, the publishing."""
-    rows = weaver_step.weaver_step_rows(weaver, cache, nodes, tokens, depths, ancestors)
-    logits = weaver_round.rescore_pool(weaver.w_res, rows, pool_ids, pool_logits, depths, nodes, norm=weaver.out_norm)
+    """:func:`expand_nodes` with the re-scoring and publishing as two Triton launches. ``fused_step``: the Weaver
+    step too (``kernels.tree_growth.weaver_step``, five launches per block; its output norm then runs inside
+    the re-scoring), else the compiled torch step."""
+    if fused_step:
+        query, norm = weaver_step.weaver_step_rows(weaver, cache, nodes, tokens, depths, ancestors), weaver.out_norm
+    else:
+        query, norm = node_queries_compiled(nodes, weaver, cache, tokens, depths, ancestors), None
+    logits = weaver_round.rescore_pool(weaver.w_res, query, pool_ids, pool_logits, depths, nodes, norm=norm)
     weaver_round.publish_children(logits, pool_ids, depths, scores, frontier_score, frontier_token, nodes)
 
 
@@ -102,7 +97,8 @@ node_queries_compiled = fuse_on_cuda(node_queries)
 place_nodes_compiled = fuse_on_cuda(reference.place_nodes_reference)
 # "torch": the compiled functions above; "triton": the round kernels around the compiled Weaver step;
 # "triton_fused": the Weaver step as Triton kernels too (a round is ~8 launches).
-EXPANSIONS = {"torch": expand_nodes_compiled, "triton": expand_nodes_with_kernels, "triton_fused": expand_nodes_fused}
+EXPANSIONS = {"torch": expand_nodes_compiled, "triton": expand_nodes_with_kernels,
+              "triton_fused": functools.partial(expand_nodes_with_kernels, fused_step=True)}
 ROUND_IMPLEMENTATIONS = tuple(EXPANSIONS)
 round_kernel_choice = MeasuredChoice(default="torch")
 

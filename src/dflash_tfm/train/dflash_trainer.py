@@ -278,6 +278,9 @@ def train_dflash(
     of the rows' tap features saved by `gen-data --save-taps` (`tap_file.py`), used instead of a target pass.
     `result.drafter` is the last state, `result.saved_step` says which was saved.
     """
+    if distill and tap_features is not None:
+        raise ValueError("distillation needs the target's final hidden states, which a tap feature file does not "
+                         "hold: drop the tap feature file to compute them")
     budget = StepBudget(steps, time_budget_s)
     rows = read_rows(data_path, max_len, min_response=2)  # before the target loads: bad data fails fast
     val_rows, train_rows = split_validation(rows, lambda r: r.key, val_frac)
@@ -309,9 +312,6 @@ def train_dflash(
     target_features = TargetFeatures(model, drafter.config.target_layer_ids, max_len)
     width = tcfg.hidden_size * (len(drafter.config.target_layer_ids) + distill)
     if tap_features is not None:
-        if distill:
-            raise ValueError("distillation needs the target's final hidden states, which a tap feature file does not "
-                             "hold: drop the tap feature file to compute them")
         saved = SavedTapFeatures(tap_features)
         saved.check_fits(drafter.config.target_layer_ids, width)
         store = saved.store([r.key for r in rows], [r.tokens for r in rows], device)
