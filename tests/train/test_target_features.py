@@ -8,7 +8,7 @@ import torch
 from dflash_tfm.config import ModelConfig
 from dflash_tfm.loading.loader import build_model
 from dflash_tfm.models.random_init import init_random_
-from dflash_tfm.train.target_features import FeatureStore, TargetFeatures
+from dflash_tfm.train.target_features import CPU_STORE_BYTES, FeatureStore, TargetFeatures, store_fits
 
 TARGETS = {
     "llama": dict(model_type="llama", vocab_size=97, hidden_size=32, intermediate_size=48, rms_norm_eps=1e-6,
@@ -44,3 +44,14 @@ def test_store_equals_a_pass_over_each_row_alone(arch: str) -> None:
     assert rows[3] in store and [1, 2, 3] not in store  # identity, not value: a new list is not a stored row
     assert store.gather(rows[:2], 4)[0] is not None
     assert FeatureStore(features, rows[:2], with_hidden=False, progress=False).gather(rows[:2], 4)[0] is None
+
+
+def test_store_fits_says_when_the_trainer_falls_back_to_a_target_pass_per_step(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """A store over the limit returns False and prints why (the trainer is then several times slower)."""
+    assert store_fits(1000, 576, torch.bfloat16, torch.device("cpu"))
+    assert capsys.readouterr().err == ""
+    too_many = CPU_STORE_BYTES // (576 * 2) + 1
+    assert not store_fits(too_many, 576, torch.bfloat16, torch.device("cpu"))
+    err = capsys.readouterr().err
+    assert f"{too_many:,} tokens" in err and "running the target every step" in err
