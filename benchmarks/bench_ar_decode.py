@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from benchmarks.timing import time_ms
+from benchmarks.timing import report_choices, time_ms
 from dflash_tfm.config import ModelConfig
 from dflash_tfm.engine.model_runner import ModelRunner
 from dflash_tfm.layers.attention import decode_attention_choice
@@ -95,9 +95,7 @@ def bench_ours(cfg: ModelConfig, contexts: list[int], iters: int) -> tuple[dict,
         loop_ms = time_ms(engine_loop, iters)
         results[ctx] = {"prefill_s": prefill_s, "graph_step_ms": step_ms, "engine_loop_ms": loop_ms}
         if ctx == contexts[0]:
-            decode_choices = {str(k): v for k, v in (fused_choice.choices | decode_attention_choice.choices).items()}
-            results["decode_kernels"] = decode_choices
-            print("decode kernels chosen by timing:", decode_choices, flush=True)
+            report_choices(results, fused_projections=fused_choice, decode_attention=decode_attention_choice)
         print(f"ctx {ctx}: prefill {prefill_s:.2f} s, graph step {step_ms:.2f} ms, loop {loop_ms:.2f} ms", flush=True)
     del runner, model
     torch.cuda.empty_cache()

@@ -21,8 +21,8 @@ import torch
 
 from benchmarks.bench_ar_decode import copy_bandwidth
 from benchmarks.kernel_profile import print_kernel_table
-from benchmarks.timing import time_ms
-from dflash_tfm.layers.linear import skinny_projections
+from benchmarks.timing import report_choices, time_ms
+from dflash_tfm.layers.linear import projection_choice, skinny_projections
 from dflash_tfm.models.presets import QWEN3_6_27B
 from dflash_tfm.models.random_init import init_random_
 from dflash_tfm.spec.dflash import DFlashDrafter, block_attention_choice
@@ -111,7 +111,8 @@ def main() -> None:
             print_kernel_table(lambda: drafter.append_context(commit, ctx - 16), "append 16 context tokens")
     print(f"\n{torch.cuda.get_device_name()}; copy bandwidth {bw / 1e12:.2f} TB/s; drafter weights "
           f"{weight_bytes / 1e9:.2f} GB + lm_head {head_bytes / 1e9:.2f} GB")
-    print("draft attention choices (full-attention layers):", dict(block_attention_choice.choices))
+    choices: dict = {}
+    report_choices(choices, draft_attention=block_attention_choice, projections=projection_choice)
     print("| context | kv_len | draft eager ms | draft graph ms | floor ms | % of floor (graph) | append 16 ms |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
@@ -121,7 +122,7 @@ def main() -> None:
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"gpu": torch.cuda.get_device_name(), "copy_bandwidth_TBps": bw / 1e12,
-                       "weight_GB": weight_bytes / 1e9, "lm_head_GB": head_bytes / 1e9, "rows": rows}, f, indent=2)
+                       "weight_GB": weight_bytes / 1e9, "lm_head_GB": head_bytes / 1e9, "rows": rows, **choices}, f, indent=2)
 
 
 if __name__ == "__main__":

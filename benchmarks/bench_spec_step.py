@@ -22,17 +22,17 @@ from pathlib import Path
 import torch
 
 from benchmarks.bench_dflash_draft import QWEN3_6_27B_DFLASH
-from benchmarks.timing import time_ms
+from benchmarks.timing import report_choices, time_ms
 from dflash_tfm.config import ModelConfig
 from dflash_tfm.engine.decoder_factory import _proposer
 from dflash_tfm.engine.model_runner import ModelRunner
 from dflash_tfm.engine.speculative import SpeculativeDecoder
-from dflash_tfm.layers.linear import chosen_kernels
+from dflash_tfm.layers.linear import projection_choice
 from dflash_tfm.loading.loader import build_model
 from dflash_tfm.models.presets import QWEN3_6_27B
 from dflash_tfm.models.random_init import init_random_
 from dflash_tfm.sampling_params import SamplingParams
-from dflash_tfm.spec.dflash import DFlashDrafter
+from dflash_tfm.spec.dflash import DFlashDrafter, block_attention_choice
 from dflash_tfm.spec.dflash_config import DFlashConfig
 from dflash_tfm.spec.weaver_fixtures import write_random_weaver_checkpoint
 from dflash_tfm.spec.weaver_tree import round_kernel_choice
@@ -107,10 +107,8 @@ def main() -> None:
         extra = (r["draft"] + r["tree"] + r["commit"]) / r["verify"]
         print(f"| {name} | {r['nodes']} | {r['draft']:.2f} | {r['tree']:.2f} | {r['verify']:.2f} | {r['commit']:.2f} "
               f"| {r['step_ms']:.2f} | {100 * extra:.0f}% |")
-    results["projection_kernels"] = {str(k): v for k, v in chosen_kernels().items()}
-    print("projection kernels chosen by timing (rows, N, K):", results["projection_kernels"])
-    results["weaver_round_kernels"] = {str(k): v for k, v in round_kernel_choice.choices.items()}
-    print("Weaver round implementation chosen by timing:", results["weaver_round_kernels"])
+    report_choices(results, projections=projection_choice, weaver_round=round_kernel_choice,
+                   draft_attention=block_attention_choice)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=2)

@@ -14,10 +14,11 @@ import json
 
 import torch
 
-from benchmarks.timing import capture, time_ms
+from benchmarks.timing import capture, report_choices, time_ms
 from dflash_tfm.config import ModelConfig
 from dflash_tfm.engine.model_runner import ModelRunner
-from dflash_tfm.layers.linear import chosen_kernels, skinny_projections
+from dflash_tfm.layers.attention import decode_attention_choice
+from dflash_tfm.layers.linear import projection_choice, skinny_projections
 from dflash_tfm.loading.loader import build_model
 from dflash_tfm.models.presets import QWEN3_6_27B
 from dflash_tfm.models.random_init import init_random_
@@ -86,10 +87,7 @@ def main() -> None:
     print("|---|---|---|---|")
     for n, r in results["verify"].items():
         print(f"| {n} | {r['verify_ms']:.2f} | {r['verify_ms'] / ar_ms:.2f}x | {r['commit_ms']:.3f} |")
-    print("\nprojection kernels chosen by timing (rows, N, K):")
-    for shape, kernel in chosen_kernels().items():
-        print(f"  {shape}: {kernel}")
-    results["projection_kernels"] = {str(k): v for k, v in chosen_kernels().items()}
+    report_choices(results, projections=projection_choice, decode_attention=decode_attention_choice)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=2)

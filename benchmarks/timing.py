@@ -8,6 +8,8 @@ from collections.abc import Callable
 
 import torch
 
+from dflash_tfm.layers.measured_choice import MeasuredChoice
+
 
 def time_ms(fn: Callable[[], object], iters: int, warmup: int = 0) -> float:
     """Median milliseconds of fn() measured with CUDA events, one event pair per call, after `warmup` calls."""
@@ -63,3 +65,12 @@ def time_graph(fn: Callable[[int], object], layers: int, rep: int = 200) -> floa
         for layer in range(layers):
             fn(layer)
     return do_bench(graph.replay, warmup=25, rep=rep, return_mode="median") * 1e3 / layers
+
+
+def report_choices(results: dict, **choices: MeasuredChoice) -> None:
+    """Print what each measured choice decided (the winner against the default or the runner-up, failures) and
+    keep every candidate's time in results["kernel_choices"], so a candidate that lost shows by how much."""
+    results["kernel_choices"] = {name: choice.report() for name, choice in choices.items()}
+    for name, choice in choices.items():
+        lines = choice.describe()
+        print(f"{name} choices timed ({len(lines)}):" + "".join(f"\n  {line}" for line in lines), flush=True)

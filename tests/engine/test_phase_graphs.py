@@ -100,7 +100,10 @@ def test_measured_choice_keeps_the_default_unless_clearly_faster(monkeypatch) ->
     candidates = {name: (lambda name=name: name) for name in timings}
     assert MeasuredChoice(default="a").pick("k", lambda: candidates) == "a"  # 1 % is within noise
     timings["b"] = 0.9
-    assert MeasuredChoice(default="a").pick("k", lambda: candidates) == "b"
+    choice = MeasuredChoice(default="a")
+    assert choice.pick("k", lambda: candidates) == "b"
+    assert choice.report() == {"k": {"chosen": "b", "ms": {"a": 1.0, "b": 0.9, "c": 1.5}}}
+    assert choice.describe() == ["k: b 0.9000 ms (default a 1.0000 ms)"]
 
 
 def test_measured_choice_leaves_out_a_candidate_that_fails(monkeypatch) -> None:
@@ -115,6 +118,9 @@ def test_measured_choice_leaves_out_a_candidate_that_fails(monkeypatch) -> None:
     choice = MeasuredChoice(default="safe")
     assert choice.pick("k", lambda: {"safe": lambda: 3.0, "fast": broken}) == "safe"
     assert "does not compile" in choice.failures["k"]["fast"]
+    assert choice.report() == {"k": {"chosen": "safe", "ms": {"safe": 3.0},
+                                     "failed": {"fast": "RuntimeError: does not compile here"}}}
+    assert choice.describe() == ["k: safe 3.0000 ms; failed: fast"]
     with pytest.raises(RuntimeError):
         MeasuredChoice(default="fast").pick("k", lambda: {"fast": broken})
 

@@ -21,7 +21,7 @@ from dflash_tfm.kernels.linear.skinny_matmul import MAX_ROWS, SkinnyConfig, cand
 from dflash_tfm.layers.measured_choice import MeasuredChoice
 
 MIN_WEIGHT_ELEMENTS = 1 << 22  # smaller weights are not a bandwidth question: cuBLAS
-_choice = MeasuredChoice(default="cublas")
+projection_choice = MeasuredChoice(default="cublas")
 _configs: dict[str, SkinnyConfig] = {}
 _active = False
 
@@ -47,7 +47,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if not (x.is_cuda and 2 <= rows <= MAX_ROWS and weight.numel() >= MIN_WEIGHT_ELEMENTS and enabled()):
         return F.linear(x, weight)
     key = (rows, *weight.shape, x.dtype, weight.dtype, x.device)
-    name = _choice.pick(key, lambda: _candidates(x, weight, rows))
+    name = projection_choice.pick(key, lambda: _candidates(x, weight, rows))
     if name == "cublas":
         return F.linear(x, weight)
     return cublaslt_linear(x, weight) if name == "cublaslt" else skinny_matmul(x, weight, _configs[name])
@@ -71,9 +71,3 @@ def _candidates(x: torch.Tensor, weight: torch.Tensor, rows: int) -> dict:
         _configs[str(config)] = config
         candidates[str(config)] = lambda c=config: skinny_matmul(x, weight, c)
     return candidates
-
-
-def chosen_kernels() -> dict[tuple, str]:
-    """What each shape seen so far runs (for benchmarks' reports): "cublas", "cublaslt" or the Triton configuration."""
-    return {key[:3]: name for key, name in _choice.choices.items()}
-

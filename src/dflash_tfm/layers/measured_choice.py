@@ -26,6 +26,7 @@ class MeasuredChoice:
         self.default = default
         self.choices: dict[Hashable, str] = {}
         self.failures: dict[Hashable, dict[str, str]] = {}
+        self.timings: dict[Hashable, dict[str, float]] = {}  # ms per candidate, as timed
 
     def pick(self, key: Hashable, candidates: Callable[[], dict[str, Callable[[], object]]],
              can_time: bool = True) -> str:
@@ -47,6 +48,31 @@ class MeasuredChoice:
                     if name == self.default:
                         raise
                     self.failures.setdefault(key, {})[name] = f"{type(e).__name__}: {e}"[:300]
+            self.timings[key] = times
             best = min(times, key=times.get)
             self.choices[key] = best if times[best] < (1 - MIN_GAIN) * times[self.default] else self.default
         return self.choices[key]
+
+    def report(self) -> dict[str, dict]:
+        """Per timed key: the choice, every candidate's time (ms) and any candidate's failure — what a benchmark
+        prints, so a candidate that lost (or broke) shows by how much (or why)."""
+        return {str(key): {"chosen": self.choices[key], "ms": {n: round(t, 4) for n, t in self.timings[key].items()},
+                           **({"failed": self.failures[key]} if key in self.failures else {})}
+                for key in self.timings}
+
+    def describe(self) -> list[str]:
+        """One line per timed key for a benchmark's log: the choice and its time against the default's, the
+        runner-up, and the names of candidates that failed."""
+        lines = []
+        for key, times in self.timings.items():
+            chosen, ranked = self.choices[key], sorted(times, key=times.get)
+            runner_up = next((n for n in ranked if n != chosen), None)
+            line = f"{key}: {chosen} {times[chosen]:.4f} ms"
+            if chosen != self.default:
+                line += f" (default {self.default} {times[self.default]:.4f} ms)"
+            elif runner_up is not None:
+                line += f" (best other {runner_up} {times[runner_up]:.4f} ms)"
+            if key in self.failures:
+                line += f"; failed: {', '.join(self.failures[key])}"
+            lines.append(line)
+        return lines
