@@ -2,12 +2,14 @@
 weights; GPU script), on real data rows: where a training step's time goes.
 
 Measured with CUDA events after warm-up (median), per step of the bundle's recipe (scripts/train_bundle.sh):
-  * drafter: 16 rows x 64 anchors, block 16, 2 layers; the target features once for all rows (`FeatureStore`,
+  * drafter: 32 rows x 64 anchors, block 16, 3 layers (--batch-rows, --num-layers); the target features once for all rows (`FeatureStore`,
     wall seconds) or per step (the target pass), the batch assembly on the host, and `train_step`;
   * Weaver: 32 positions (4 per row); the frozen teacher's `paths` (drafter blocks, target logits, pools) with
     and without the store, and `train_step`.
 
     python -m benchmarks.bench_training_step [--data .stage/data/d*.jsonl] --out $OUT/training_step.json [--profile]
+
+(each time is CUDA events around the whole call, so host-side work that keeps the GPU waiting counts too)
 
 --profile also prints the kernels of one drafter step and one Weaver step (teacher + train_step).
 """
@@ -64,6 +66,8 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--rows", type=int, default=None, help="use only the first N rows (a quick check)")
     ap.add_argument("--device", default="cuda", help="cpu only checks that the script runs (wall-clock timings)")
+    ap.add_argument("--batch-rows", type=int, default=32, help="drafter rows per step (the bundle's recipe: 32)")
+    ap.add_argument("--num-layers", type=int, default=3, help="drafter layers (the bundle's: 3)")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -74,7 +78,7 @@ def main() -> None:
     timer = time_ms if dev.type == "cuda" else wall_ms
     cfg = ModelConfig.from_dict(SMOLLM2_135M)
     target = init_random_(build_model(cfg, dev, dtype, args.max_len + 16))
-    raw = drafter_config_dict(cfg, num_layers=2, block_size=16, mask_token_id=16, target_layer_ids=[1, 14, 27],
+    raw = drafter_config_dict(cfg, num_layers=args.num_layers, block_size=16, mask_token_id=16, target_layer_ids=[1, 14, 27],
                               dtype=dtype)
     drafter = build_trainable_drafter(raw, target, seed=0)
     drafter.allocate(args.max_len + 16)
@@ -101,7 +105,7 @@ def main() -> None:
     batches = []
     t0 = time.perf_counter()
     for _ in range(args.iters):
-        batch_rows = pick.sample(rows, 16)
+        batch_rows = pick.sample(rows, args.batch_rows)
         batches.append((batch_rows, dflash_trainer.make_batch(batch_rows, 64, 16, gen, dev)))
     result["drafter_make_batch_ms"] = 1e3 * (time.perf_counter() - t0) / args.iters
     it = iter(range(1 << 30))
@@ -126,6 +130,7 @@ def main() -> None:
     result["drafter_train_step_distill_ms"] = timer(lambda: drafter_step(distill=True), args.iters, warmup=5)
     if args.profile and dev.type == "cuda":
         print_kernel_table(drafter_step, "drafter step (store gather + train_step)")
+        print_kernel_table(lambda: drafter_step(distill=True), "drafter step with soft labels (--distill)")
 
     # ---- Weaver
     wrows = read_rows(args.data, args.max_len)[: args.rows]
