@@ -42,6 +42,6 @@ run() {  # name, command...
 [[ $PARTS == *profile* ]] && run bench_projection_kernels python3 -m benchmarks.bench_projection_kernels
 [[ $PARTS == *profile* ]] && run profile_decode python3 -m benchmarks.profile_decode_step
 [[ $PARTS == *profile* ]] && run profile_verify python3 -m benchmarks.profile_decode_step --verify-nodes 65
-[[ $PARTS == *train* ]] && run bench_training_step python3 -m benchmarks.bench_training_step --out "$OUT/training_step.json"
+[[ $PARTS == *train* ]] && run bench_training_step python3 -m benchmarks.bench_training_step --profile --out "$OUT/training_step.json"
 echo; cat "$OUT/summary.txt"
 exit $status
