@@ -122,7 +122,8 @@ def main() -> None:
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"gpu": torch.cuda.get_device_name(), "copy_bandwidth_TBps": bw / 1e12,
-                       "weight_GB": weight_bytes / 1e9, "lm_head_GB": head_bytes / 1e9, "rows": rows, **choices}, f, indent=2)
+                       "weight_GB": weight_bytes / 1e9, "lm_head_GB": head_bytes / 1e9, "rows": rows, **choices},
+                      f, indent=2)
 
 
 if __name__ == "__main__":

@@ -2,8 +2,9 @@
 weights; GPU script), on real data rows: where a training step's time goes.
 
 Measured with CUDA events after warm-up (median), per step of the bundle's recipe (scripts/train_bundle.sh):
-  * drafter: 32 rows x 64 anchors, block 16, 3 layers (--batch-rows, --num-layers); the target features once for all rows (`FeatureStore`,
-    wall seconds) or per step (the target pass), the batch assembly on the host, and `train_step`;
+  * drafter: 32 rows x 64 anchors, block 16, 3 layers (--batch-rows, --num-layers); the target features once
+    for all rows (`FeatureStore`, wall seconds) or per step (the target pass), the batch assembly on the host,
+    and `train_step` with hard and with soft labels;
   * Weaver: 32 positions (4 per row); the frozen teacher's `paths` (drafter blocks, target logits, pools) with
     and without the store, and `train_step`.
 
@@ -78,8 +79,8 @@ def main() -> None:
     timer = time_ms if dev.type == "cuda" else wall_ms
     cfg = ModelConfig.from_dict(SMOLLM2_135M)
     target = init_random_(build_model(cfg, dev, dtype, args.max_len + 16))
-    raw = drafter_config_dict(cfg, num_layers=args.num_layers, block_size=16, mask_token_id=16, target_layer_ids=[1, 14, 27],
-                              dtype=dtype)
+    raw = drafter_config_dict(cfg, num_layers=args.num_layers, block_size=16, mask_token_id=16,
+                              target_layer_ids=[1, 14, 27], dtype=dtype)
     drafter = build_trainable_drafter(raw, target, seed=0)
     drafter.allocate(args.max_len + 16)
     result: dict = {}

@@ -65,8 +65,8 @@ class MeasuredChoice:
         runner-up, and the names of candidates that failed."""
         lines = []
         for key, times in self.timings.items():
-            chosen, ranked = self.choices[key], sorted(times, key=times.get)
-            runner_up = next((n for n in ranked if n != chosen), None)
+            chosen = self.choices[key]
+            runner_up = min((n for n in times if n != chosen), key=times.get, default=None)
             line = f"{key}: {chosen} {times[chosen]:.4f} ms"
             if chosen != self.default:
                 line += f" (default {self.default} {times[self.default]:.4f} ms)"
