@@ -107,7 +107,7 @@ def main() -> None:
     t0 = time.perf_counter()
     for _ in range(args.iters):
         batch_rows = pick.sample(rows, args.batch_rows)
-        batches.append((batch_rows, dflash_trainer.make_batch(batch_rows, 64, 16, gen, dev)))
+        batches.append((batch_rows, dflash_trainer.make_batch(batch_rows, 64, 16, gen, dev, args.max_len)))
     result["drafter_make_batch_ms"] = 1e3 * (time.perf_counter() - t0) / args.iters
     it = iter(range(1 << 30))
 

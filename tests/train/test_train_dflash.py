@@ -20,9 +20,11 @@ from dflash_tfm.loading.errors import CheckpointError
 from dflash_tfm.loading.loader import build_model
 from dflash_tfm.models.random_init import init_random_
 from dflash_tfm.spec.dflash import attention_mask, load_dflash_drafter
-from dflash_tfm.train.dflash_checkpoint import default_mask_token_id
-from dflash_tfm.train.dflash_forward import block_attention_mask, block_forward
-from dflash_tfm.train.dflash_trainer import IGNORE, main, make_batch, soft_labels, train_dflash
+from dflash_tfm.train.dflash_checkpoint import build_trainable_drafter, default_mask_token_id
+from dflash_tfm.train.dflash_forward import LENGTH_MULTIPLE, block_attention_mask, block_forward, padded_length
+from dflash_tfm.spec.dflash_config import drafter_config_dict
+from dflash_tfm.train.dflash_trainer import (IGNORE, block_loss, block_loss_and_hits, main, make_batch, soft_labels,
+                                             train_dflash)
 from dflash_tfm.train.rows import read_rows
 from dflash_tfm.train.target_features import TargetFeatures
 from tests.train.tiny_chat import save_tiny_chat_model
@@ -160,6 +162,38 @@ def test_feature_store_trains_like_a_target_pass_per_step(target, data_file, tmp
     for a, b in zip(stored.validations, recomputed.validations, strict=True):
         assert a.loss == pytest.approx(b.loss, rel=1e-4) and a.acc == pytest.approx(b.acc, abs=1e-6)
     assert [e["loss"] for e in stored.log] == pytest.approx([e["loss"] for e in recomputed.log], rel=1e-4)
+
+
+def test_batches_pad_to_a_multiple_of_the_length_step_within_the_maximum(data_file):
+    rows = read_rows(data_file, MAX_LEN, min_response=2)[:4]
+    longest = max(len(r.tokens) for r in rows)
+    gen = torch.Generator().manual_seed(0)
+    assert make_batch(rows, 4, 4, gen, torch.device("cpu")).tokens.shape[1] == longest
+    assert make_batch(rows, 4, 4, gen, torch.device("cpu"), max_length=1000).tokens.shape[1] == \
+        -(-longest // LENGTH_MULTIPLE) * LENGTH_MULTIPLE
+    assert make_batch(rows, 4, 4, gen, torch.device("cpu"), max_length=longest + 1).tokens.shape[1] == longest + 1
+    assert padded_length(longest, longest - 1) == longest
+
+
+def test_training_loss_is_the_validation_loss_and_its_gradient(target, data_file):
+    """`block_loss` (the fused cross-entropy the optimizer steps on) equals `block_loss_and_hits`' loss, and so
+    do their gradients, on a padded batch."""
+    raw = drafter_config_dict(target.config, num_layers=1, block_size=4, mask_token_id=5, target_layer_ids=[0, 3],
+                              dtype=torch.float32)
+    drafter = build_trainable_drafter(raw, target, seed=0)
+    drafter.allocate(MAX_LEN + 4)
+    rows = read_rows(data_file, MAX_LEN, min_response=2)[:6]
+    batch = make_batch(rows, 5, 4, torch.Generator().manual_seed(0), torch.device("cpu"), MAX_LEN)
+    feats = TargetFeatures(target, [0, 3], MAX_LEN)(batch.tokens)
+    decay = torch.exp(-torch.arange(3.0) / 7.0)
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    want = block_loss_and_hits(drafter, feats, batch, decay)[0]
+    want_grads = torch.autograd.grad(want, params)
+    got = block_loss(drafter, feats, batch, decay)
+    got_grads = torch.autograd.grad(got, params)
+    assert got.item() == pytest.approx(want.item(), rel=1e-5)
+    for g, w in zip(got_grads, want_grads, strict=True):
+        assert torch.allclose(g, w, rtol=1e-4, atol=1e-6)
 
 
 def test_soft_labels_are_the_targets_next_token_distributions(target, data_file):

@@ -34,12 +34,13 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from dflash_tfm.config import FULL_ATTENTION
+from dflash_tfm.kernels.loss.linear_cross_entropy import linear_cross_entropy
 from dflash_tfm.loading.loader import load_target, parse_dtype
 from dflash_tfm.models.decoder import CausalLM
 from dflash_tfm.spec.dflash import DFlashDrafter, load_dflash_drafter
 from dflash_tfm.spec.dflash_config import drafter_config_dict
 from dflash_tfm.train.dflash_checkpoint import build_trainable_drafter, default_mask_token_id, save_drafter
-from dflash_tfm.train.dflash_forward import block_forward
+from dflash_tfm.train.dflash_forward import block_forward, padded_length
 from dflash_tfm.train.rows import TrainRow, read_rows
 from dflash_tfm.train.step_budget import StepBudget
 from dflash_tfm.train.tap_file import SavedTapFeatures
@@ -58,10 +59,13 @@ class Batch:
 
 
 def make_batch(rows: list[TrainRow], anchors_per_seq: int, block_size: int, gen: torch.Generator,
-               device: torch.device) -> Batch:
+               device: torch.device, max_length: int | None = None) -> Batch:
     """Up to `anchors_per_seq` distinct anchors per row, uniform over the response positions that have a
-    next token; rows with fewer candidates repeat their first anchor with all labels ignored."""
+    next token; rows with fewer candidates repeat their first anchor with all labels ignored.
+
+    With `max_length` the batch pads to `padded_length` (few distinct shapes), else to its longest row."""
     T = max(len(r.tokens) for r in rows)
+    T = T if max_length is None else padded_length(T, max_length)
     tokens = torch.zeros(len(rows), T, dtype=torch.long)
     anchors = torch.zeros(len(rows), anchors_per_seq, dtype=torch.long)
     labels = torch.full((len(rows), anchors_per_seq, block_size - 1), IGNORE, dtype=torch.long)
@@ -98,6 +102,20 @@ def block_loss_and_hits(
     return loss, hits, valid
 
 
+def block_loss(
+    drafter: DFlashDrafter, features: torch.Tensor, batch: Batch, decay: torch.Tensor,
+    target_hidden: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The training loss of `block_loss_and_hits` without the hits; on hard labels through
+    `linear_cross_entropy`, which never holds the [n_valid, V] fp32 logits (the step's largest cost)."""
+    if target_hidden is not None:
+        return block_loss_and_hits(drafter, features, batch, decay, target_hidden)[0]
+    hidden = block_forward(drafter, features, batch.tokens, batch.anchors)
+    valid = batch.labels != IGNORE
+    return linear_cross_entropy(hidden[valid], drafter.lm_head_weight, batch.labels[valid],
+                                decay.expand_as(batch.labels)[valid])
+
+
 @torch.no_grad()
 def soft_labels(drafter: DFlashDrafter, target_hidden: torch.Tensor, anchors: torch.Tensor,
                 valid: torch.Tensor) -> torch.Tensor:
@@ -119,7 +137,7 @@ def train_step(
     target's own dtype, as at inference: outside autocast."""
     target_hidden, feats = features
     with autocast:
-        loss, _, _ = block_loss_and_hits(drafter, feats, batch, decay, target_hidden)
+        loss = block_loss(drafter, feats, batch, decay, target_hidden)
     optim.zero_grad(set_to_none=True)
     loss.backward()
     grad_norm = torch.nn.utils.clip_grad_norm_([p for g in optim.param_groups for p in g["params"]], grad_clip)
@@ -155,7 +173,8 @@ class Validation:
 
 @torch.no_grad()
 def validate(drafter: DFlashDrafter, features: BatchFeatures, rows: list[TrainRow], step: int, *, batch_size: int,
-             anchors_per_seq: int, decay: torch.Tensor, seed: int, autocast: torch.autocast) -> Validation:
+             anchors_per_seq: int, decay: torch.Tensor, seed: int, autocast: torch.autocast,
+             max_length: int | None = None) -> Validation:
     """Same anchors every call (fixed seed), so validations at different steps compare like with like."""
     drafter.eval()
     gen = torch.Generator().manual_seed(seed)
@@ -164,7 +183,7 @@ def validate(drafter: DFlashDrafter, features: BatchFeatures, rows: list[TrainRo
     valid_k = torch.zeros(B - 1)
     loss_sum = weight_sum = streak_sum = blocks = 0.0
     for s in range(0, len(rows), batch_size):
-        batch = make_batch(rows[s : s + batch_size], anchors_per_seq, B, gen, decay.device)
+        batch = make_batch(rows[s : s + batch_size], anchors_per_seq, B, gen, decay.device, max_length)
         _, feats = features(rows[s : s + batch_size], batch.tokens)
         with autocast:
             loss, hits, valid = block_loss_and_hits(drafter, feats, batch, decay)
@@ -346,7 +365,7 @@ def train_dflash(
             if not val_rows:
                 return
             v = validate(drafter, features, val_rows, step, batch_size=batch_size, anchors_per_seq=anchors_per_seq,
-                         decay=decay, seed=seed + 1, autocast=autocast)
+                         decay=decay, seed=seed + 1, autocast=autocast, max_length=max_len)
             best = max((u.accept_len for u in result.validations), default=-1.0)
             result.validations.append(v)
             record({"validation": v.__dict__})
@@ -364,7 +383,7 @@ def train_dflash(
                 epoch += torch.randperm(len(train_rows), generator=gen).tolist()
             picked, epoch = epoch[:batch_size], epoch[batch_size:]
             batch_rows = [train_rows[i] for i in picked]
-            batch = make_batch(batch_rows, anchors_per_seq, block_size, gen, device)
+            batch = make_batch(batch_rows, anchors_per_seq, block_size, gen, device, max_len)
             loss, grad_norm = train_step(drafter, features(batch_rows, batch.tokens), batch, decay, optim, grad_clip,
                                          autocast)
             sched.step()

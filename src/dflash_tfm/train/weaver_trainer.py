@@ -44,7 +44,7 @@ from tqdm.auto import tqdm
 from dflash_tfm.models.decoder import CausalLM
 from dflash_tfm.spec.dflash import DFlashDrafter
 from dflash_tfm.spec.weaver import SPECULATOR_KIND, Weaver, WeaverConfig, WeaverNorm, load_weaver
-from dflash_tfm.train.dflash_forward import block_forward
+from dflash_tfm.train.dflash_forward import block_forward, padded_length
 from dflash_tfm.train.rows import TrainRow, read_rows
 from dflash_tfm.train.step_budget import StepBudget
 from dflash_tfm.train.target_features import FeatureStore, TargetFeatures, store_fits
@@ -83,6 +83,7 @@ class FrozenTeacher:
         self.target, self.drafter = target, drafter
         self.block = drafter.config.block_size
         self.features = TargetFeatures(target, drafter.config.target_layer_ids, max_seq_len)
+        self.max_seq_len = max_seq_len
         self.store: FeatureStore | None = None
         self.pool = min(pool_size, target.config.vocab_size)
         self.device = target.embed_tokens.device
@@ -98,14 +99,14 @@ class FrozenTeacher:
         """Positions L of row i (prompt_len <= L < len(row.tokens)) -> one PathBatch, rows in order, each row's
         positions in increasing order.
 
-        One target pass over all rows (right-padded: causal attention and the GDN recurrence never let a pad
+        One target pass over all rows (right-padded to `padded_length`: causal attention and the GDN recurrence never let a pad
         token reach an earlier position), or its outputs gathered from `store` (`cache_rows`), and one drafter
         block forward for every position (the drafter trainer's, equal to `draft` at each L); a row with fewer
         positions repeats its last one, dropped after.
         """
         R, K = len(rows), self.block - 1
         lengths = torch.tensor([len(r.tokens) for r in rows], device=self.device)
-        T, n = int(lengths.max()), max(len(p) for p in positions)
+        T, n = padded_length(int(lengths.max()), self.max_seq_len), max(len(p) for p in positions)
         ids = torch.zeros(R, T, dtype=torch.long, device=self.device)
         for i, row in enumerate(rows):
             ids[i, : len(row.tokens)] = torch.tensor(row.tokens)
