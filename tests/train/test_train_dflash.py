@@ -21,11 +21,12 @@ from dflash_tfm.loading.loader import build_model
 from dflash_tfm.models.random_init import init_random_
 from dflash_tfm.spec.dflash import attention_mask, load_dflash_drafter
 from dflash_tfm.train.dflash_checkpoint import build_trainable_drafter, default_mask_token_id
-from dflash_tfm.train.dflash_forward import LENGTH_MULTIPLE, block_attention_mask, block_forward, padded_length
+from dflash_tfm.train.dflash_forward import block_attention_mask, block_forward
 from dflash_tfm.spec.dflash_config import drafter_config_dict
 from dflash_tfm.train.dflash_trainer import (IGNORE, block_loss, block_loss_and_hits, main, make_batch, soft_labels,
                                              train_dflash)
 from dflash_tfm.train.rows import read_rows
+from dflash_tfm.train.shapes import LENGTH_MULTIPLE, padded_length
 from dflash_tfm.train.target_features import TargetFeatures
 from tests.train.tiny_chat import save_tiny_chat_model
 

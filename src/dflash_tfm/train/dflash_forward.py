@@ -28,16 +28,6 @@ from dflash_tfm.layers.rotary import RotaryEmbedding
 from dflash_tfm.spec.dflash import DFlashDrafter
 
 
-LENGTH_MULTIPLE = 64
-
-
-def padded_length(longest: int, max_length: int) -> int:
-    """A batch's padded length: `longest` rounded up to a multiple of LENGTH_MULTIPLE, capped at `max_length`
-    (never below `longest`). The block attention's cuDNN kernels build a plan per shape (~0.1 s on the H200,
-    `bench_training_step`), which a new length every step would pay every step."""
-    return max(longest, min(-(-longest // LENGTH_MULTIPLE) * LENGTH_MULTIPLE, max_length))
-
-
 class SlotRope:
     """Stands in for the drafter's `RotaryEmbedding` inside `DFlashLayer.forward`: `positions` arrive as cache
     slots [b, n] and are rotated at `slot_positions[b, slot]`, the absolute position stored in that slot."""

@@ -40,8 +40,9 @@ from dflash_tfm.models.decoder import CausalLM
 from dflash_tfm.spec.dflash import DFlashDrafter, load_dflash_drafter
 from dflash_tfm.spec.dflash_config import drafter_config_dict
 from dflash_tfm.train.dflash_checkpoint import build_trainable_drafter, default_mask_token_id, save_drafter
-from dflash_tfm.train.dflash_forward import block_forward, padded_length
+from dflash_tfm.train.dflash_forward import block_forward
 from dflash_tfm.train.rows import TrainRow, read_rows
+from dflash_tfm.train.shapes import padded_length
 from dflash_tfm.train.step_budget import StepBudget
 from dflash_tfm.train.tap_file import SavedTapFeatures
 from dflash_tfm.train.target_features import FeatureStore, TargetFeatures, store_fits

@@ -16,6 +16,7 @@ from tqdm.auto import tqdm
 
 from dflash_tfm.engine.cache import ModelCache
 from dflash_tfm.models.decoder import CausalLM
+from dflash_tfm.train.shapes import padded_length
 
 CPU_STORE_BYTES = 1 << 30  # on the CPU the store is used up to this size
 GPU_STORE_FRACTION = 0.6  # on CUDA up to this fraction of the free device memory (a small target's training
@@ -64,9 +65,9 @@ def store_fits(num_tokens: int, width: int, dtype: torch.dtype, device: torch.de
 
 
 class FeatureStore:
-    """Every row's target outputs, computed once (rows sorted by length, `batch_rows` per target pass) and kept
-    flat on the target's device. Rows are looked up by the identity of their token list: the trainers' own row
-    objects, alive for the whole run, are passed back unchanged."""
+    """Every row's target outputs, computed once (rows sorted by length, `batch_rows` per target pass, padded to
+    `padded_length`) and kept flat on the target's device. Rows are looked up by the identity of their token
+    list: the trainers' own row objects, alive for the whole run, are passed back unchanged."""
 
     def __init__(self, features: TargetFeatures, rows: Sequence[list[int]], *, with_hidden: bool,
                  batch_rows: int = 32, progress: bool = True) -> None:
@@ -78,7 +79,7 @@ class FeatureStore:
         order = sorted(range(len(rows)), key=lengths.__getitem__)
         for i in tqdm(range(0, len(order), batch_rows), desc="target features", unit="batch", disable=not progress):
             group = order[i : i + batch_rows]
-            T = lengths[group[-1]]
+            T = padded_length(lengths[group[-1]], features.max_len)
             tokens = torch.zeros(len(group), T, dtype=torch.long)
             for j, r in enumerate(group):
                 tokens[j, : lengths[r]] = torch.tensor(rows[r])

@@ -44,8 +44,9 @@ from tqdm.auto import tqdm
 from dflash_tfm.models.decoder import CausalLM
 from dflash_tfm.spec.dflash import DFlashDrafter
 from dflash_tfm.spec.weaver import SPECULATOR_KIND, Weaver, WeaverConfig, WeaverNorm, load_weaver
-from dflash_tfm.train.dflash_forward import block_forward, padded_length
+from dflash_tfm.train.dflash_forward import block_forward
 from dflash_tfm.train.rows import TrainRow, read_rows
+from dflash_tfm.train.shapes import padded_length
 from dflash_tfm.train.step_budget import StepBudget
 from dflash_tfm.train.target_features import FeatureStore, TargetFeatures, store_fits
 from dflash_tfm.train.validation_split import split_validation
@@ -99,10 +100,10 @@ class FrozenTeacher:
         """Positions L of row i (prompt_len <= L < len(row.tokens)) -> one PathBatch, rows in order, each row's
         positions in increasing order.
 
-        One target pass over all rows (right-padded to `padded_length`: causal attention and the GDN recurrence never let a pad
-        token reach an earlier position), or its outputs gathered from `store` (`cache_rows`), and one drafter
-        block forward for every position (the drafter trainer's, equal to `draft` at each L); a row with fewer
-        positions repeats its last one, dropped after.
+        One target pass over all rows (right-padded to `padded_length`: causal attention and the GDN recurrence
+        never let a pad token reach an earlier position), or its outputs gathered from `store` (`cache_rows`), and
+        one drafter block forward for every position (the drafter trainer's, equal to `draft` at each L); a row
+        with fewer positions repeats its last one, dropped after.
         """
         R, K = len(rows), self.block - 1
         lengths = torch.tensor([len(r.tokens) for r in rows], device=self.device)
