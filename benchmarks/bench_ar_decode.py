@@ -22,6 +22,7 @@ from dflash_tfm.config import ModelConfig
 from dflash_tfm.engine.model_runner import ModelRunner
 from dflash_tfm.layers.attention import decode_attention_choice
 from dflash_tfm.layers.fused_projections import fused_choice
+from dflash_tfm.layers.linear import projection_choice
 from dflash_tfm.loading.loader import build_model
 from dflash_tfm.models.presets import QWEN3_6_27B
 from dflash_tfm.models.random_init import init_random_
@@ -95,7 +96,8 @@ def bench_ours(cfg: ModelConfig, contexts: list[int], iters: int) -> tuple[dict,
         loop_ms = time_ms(engine_loop, iters)
         results[ctx] = {"prefill_s": prefill_s, "graph_step_ms": step_ms, "engine_loop_ms": loop_ms}
         if ctx == contexts[0]:
-            report_choices(results, fused_projections=fused_choice, decode_attention=decode_attention_choice)
+            report_choices(results, projections=projection_choice, fused_projections=fused_choice,
+                           decode_attention=decode_attention_choice)
         print(f"ctx {ctx}: prefill {prefill_s:.2f} s, graph step {step_ms:.2f} ms, loop {loop_ms:.2f} ms", flush=True)
     del runner, model
     torch.cuda.empty_cache()

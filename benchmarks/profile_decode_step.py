@@ -60,7 +60,7 @@ def main() -> None:
 
         def step() -> None:
             runner.decode(token, next(positions))
-    with torch.inference_mode(), skinny_projections():  # (only verify's projections are affected)
+    with torch.inference_mode(), skinny_projections():  # (the decode step enters it itself too)
         for _ in range(3):  # compile + warm up
             step()
         what = f"verify + commit of {args.verify_nodes} nodes" if args.verify_nodes else "decode step"

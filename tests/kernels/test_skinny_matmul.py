@@ -15,9 +15,11 @@ from dflash_tfm.layers import linear as linear_module
 from .test_tree_common import rel_err, triton_device  # noqa: F401  (fixture)
 
 CASES = [  # rows, N, K, config: split-K 1 and 3 (K not a multiple of the split), N and K off the tile grid
+    (1, 40, 96, SkinnyConfig(block_n=32, block_k=32, split_k=2)),
     (2, 40, 96, SkinnyConfig(block_n=32, block_k=32)),
     (17, 72, 160, SkinnyConfig(block_n=64, block_k=32, split_k=3)),
     (65, 33, 64, SkinnyConfig(block_n=16, block_k=16, split_k=2, num_warps=8)),
+    (1, 40, 96, SkinnyConfig(block_n=32, block_k=32, tma=True)),
     (2, 40, 96, SkinnyConfig(block_n=32, block_k=32, tma=True)),
     (17, 72, 160, SkinnyConfig(block_n=64, block_k=32, split_k=3, tma=True)),
     (65, 33, 64, SkinnyConfig(block_n=16, block_k=16, split_k=2, tma=True)),
@@ -77,7 +79,7 @@ def test_dispatch_runs_linear_off_cuda_and_rejects_a_width_mismatch() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("rows", [16, 65])
+@pytest.mark.parametrize("rows", [1, 16, 65])
 def test_gpu_dispatch_matches_cublas_27b_shapes(rows: int) -> None:
     """Qwen3.6-27B projections (bf16): whichever kernel the timing picks agrees with cuBLAS to bf16 rounding, and
     so do the cuBLASLt and the first Triton candidates themselves (pointer and TMA loads)."""

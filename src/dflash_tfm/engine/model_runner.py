@@ -12,6 +12,7 @@ from typing import Callable
 import torch
 
 from dflash_tfm.engine.cache import ModelCache
+from dflash_tfm.layers.linear import skinny_projections
 from dflash_tfm.models.decoder import CausalLM
 
 MIN_BUCKET = 256
@@ -102,8 +103,9 @@ class ModelRunner:
         return logits
 
     def _step(self, kv_len: int) -> torch.Tensor:
-        hidden, _ = self.model(self._static_ids, self._static_pos, self.cache, kv_len=kv_len)
-        return self.model.logits(hidden[:, -1])
+        with skinny_projections():  # one row: the projections may take a measured kernel (layers/linear.py)
+            hidden, _ = self.model(self._static_ids, self._static_pos, self.cache, kv_len=kv_len)
+            return self.model.logits(hidden[:, -1])
 
     def _capture(self, kv_len: int) -> None:
         """Warm up (compiles Triton kernels, picks cuBLAS algorithms) and capture one decode step.

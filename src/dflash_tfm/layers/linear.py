@@ -1,9 +1,11 @@
-"""Projections: cuBLAS, cuBLASLt or the Triton skinny matmul for 2 … 128 rows, whichever measured fastest for that shape.
+"""Projections: cuBLAS, cuBLASLt or the Triton skinny matmul for 1 … 128 rows, whichever measured fastest for that shape.
 
 Tree verify (N = budget + 1 rows) and drafter blocks (16 rows) multiply a few rows by large weights, where
-cuBLAS's GEMM tiles may stream the weights more slowly than its batch-1 GEMV does. Only code inside
-`skinny_projections()` (the speculative step, whose row counts are fixed per decoder) is considered, so
-prefills of short prompts never pay for a choice. Which kernel runs is decided per exact (rows, N, K, dtype)
+cuBLAS's GEMM tiles may stream the weights more slowly than its batch-1 GEMV does; and a decode step's one row
+goes through cuBLAS's GEMV, which streamed 96 % of the copy-bandwidth floor where the TMA skinny tiles at 16
+rows reached more (docs/PERFORMANCE.md), so it is timed too. Only code inside `skinny_projections()` (the
+speculative step and the decode step, whose row counts are fixed) is considered, so prefills of short prompts
+never pay for a choice. Which kernel runs is decided per exact (rows, N, K, dtype)
 the first time the shape is seen outside a CUDA-graph capture (`MeasuredChoice`): cuBLAS, the same GEMM through
 cuBLASLt (its own heuristic picks other tiles and split-K variants for few rows) and every Triton configuration are
 timed and the fastest is kept for the process. DFLASH_TFM_SKINNY_GEMM=0 keeps cuBLAS everywhere.
@@ -44,7 +46,7 @@ def skinny_projections() -> Iterator[None]:
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``x [..., K] @ weight[N, K]ᵀ``, like ``F.linear`` without bias."""
     rows = x.numel() // x.shape[-1]
-    if not (x.is_cuda and 2 <= rows <= MAX_ROWS and weight.numel() >= MIN_WEIGHT_ELEMENTS and enabled()):
+    if not (x.is_cuda and 1 <= rows <= MAX_ROWS and weight.numel() >= MIN_WEIGHT_ELEMENTS and enabled()):
         return F.linear(x, weight)
     key = (rows, *weight.shape, x.dtype, weight.dtype, x.device)
     name = projection_choice.pick(key, lambda: _candidates(x, weight, rows))
