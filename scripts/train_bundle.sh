@@ -48,6 +48,7 @@ DFLASH_STEPS=${DFLASH_STEPS:-4000}
 DFLASH_BATCH=${DFLASH_BATCH:-16}
 DFLASH_LAYERS=${DFLASH_LAYERS:-}      # default 2 (or DFLASH_INIT's count); more grows DFLASH_INIT (new layers start as no-ops)
 DFLASH_DISTILL=${DFLASH_DISTILL:-}    # 1: soft labels (the target's next-token distributions) instead of the data's tokens
+DFLASH_SCHEDULE=${DFLASH_SCHEDULE:-cosine}  # constant here + cosine in the next call (DFLASH_INIT=it) = one WSD cycle
 WEAVER_MINUTES=${WEAVER_MINUTES:-3}
 WEAVER_STEPS=${WEAVER_STEPS:-20000}
 WEAVER_SAVE_DTYPE=${WEAVER_SAVE_DTYPE:-float32}  # bfloat16 halves weaver.pth (room for a larger drafter)
@@ -158,7 +159,7 @@ if [[ $PHASES == *dflash* ]]; then
   join_gguf
   $PY -m dflash_tfm.train.dflash_trainer --model-path "$GGUF" --data "$WORK"/data/d*.jsonl --out "$WORK/bundle/dflash" \
     ${DFLASH_LAYERS:+--num-layers "$DFLASH_LAYERS"} ${DFLASH_DISTILL:+--distill} --target-layer-ids 1 14 27 --steps "$DFLASH_STEPS" --batch-size "$DFLASH_BATCH" --anchors-per-seq 64 \
-    --max-len 768 --lr 6e-4 --time-budget-minutes "$DFLASH_MINUTES" --device "$DEVICE" \
+    --max-len 768 --lr 6e-4 --schedule "$DFLASH_SCHEDULE" --time-budget-minutes "$DFLASH_MINUTES" --device "$DEVICE" \
     ${DFLASH_INIT:+--init-from "$DFLASH_INIT"} 2>&1 | tee "$OUT/train_dflash.log"
   mkdir -p "$OUT/bundle" && cp -r "$WORK/bundle/dflash" "$OUT/bundle/"
   say "dflash done"

@@ -289,8 +289,10 @@ def test_cli_trains_from_a_checkpoint_directory(tmp_path, data_file, monkeypatch
     out = tmp_path / "drafter"
     rc = main(["--model-path", str(path), "--data", str(data_file), "--out", str(out), "--num-layers", "1",
                "--block-size", "4", "--steps", "2", "--batch-size", "2", "--anchors-per-seq", "2", "--max-len", "48",
-               "--device", "cpu", "--val-frac", "0.1", "--no-progress"])
+               "--device", "cpu", "--val-frac", "0.1", "--schedule", "constant", "--no-progress"])
     assert rc == 0
     assert json.loads((out / "config.json").read_text())["dflash_config"]["mask_token_id"] == 4  # <extra>, unused
+    logged = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+    assert [e["lr"] for e in logged if "lr" in e][-1] == pytest.approx(6e-4)  # held at the peak to the end
     assert main(["--model-path", str(path), "--data", str(tmp_path / "missing.jsonl"), "--out", str(out),
                  "--device", "cpu", "--no-progress"]) == 2

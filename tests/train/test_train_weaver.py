@@ -21,7 +21,7 @@ from dflash_tfm.spec.dflash import DFlashDrafter, load_dflash_drafter
 from dflash_tfm.spec.fixtures import write_random_dflash_checkpoint
 from dflash_tfm.spec.weaver import Weaver, WeaverConfig, load_weaver
 from dflash_tfm.train.rows import TrainRow, read_rows
-from dflash_tfm.train.weaver_trainer import FrozenTeacher, lr_multiplier, main, new_weaver, path_log_probs, train_weaver
+from dflash_tfm.train.weaver_trainer import FrozenTeacher, main, new_weaver, path_log_probs, train_weaver
 
 BLOCK, VOCAB = 8, 160
 BASE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, rms_norm_eps=1e-6, max_position_embeddings=128)
@@ -232,13 +232,6 @@ def test_checkpoint_loads_strictly(setups, tmp_path: Path, variant: int, arch: s
         torch.testing.assert_close(tensor, payload["state_dict"][name], rtol=0, atol=0)
     summary = json.loads(Path(str(out) + ".json").read_text())
     assert summary["variant"] == variant and summary["history"][-1]["step"] == 3
-
-
-def test_wsd_schedule_shape() -> None:
-    f = [lr_multiplier(s, 1000, "wsd") for s in range(1000)]
-    assert f[0] < 0.05 and f[39] == 1.0 and f[500] == 1.0 and f[799] == 1.0
-    assert f[900] == pytest.approx(0.5, abs=0.01) and f[-1] < 0.01
-    assert all(a >= b for a, b in zip(f[40:], f[41:]))
 
 
 def test_read_rows_skips_a_cut_off_last_line_and_rejects_malformed_ones(tmp_path: Path) -> None:

@@ -41,6 +41,7 @@ from dflash_tfm.spec.dflash import DFlashDrafter, load_dflash_drafter
 from dflash_tfm.spec.dflash_config import drafter_config_dict
 from dflash_tfm.train.dflash_checkpoint import build_trainable_drafter, default_mask_token_id, save_drafter
 from dflash_tfm.train.dflash_forward import block_forward
+from dflash_tfm.train.lr_schedule import SCHEDULES, lr_factor
 from dflash_tfm.train.rows import TrainRow, read_rows
 from dflash_tfm.train.shapes import padded_length
 from dflash_tfm.train.step_budget import StepBudget
@@ -238,13 +239,6 @@ def continue_drafter(path: str | Path, target: CausalLM, dtype: torch.dtype,
     return raw, drafter
 
 
-def _lr_factor(step: int, steps: int, warmup: int) -> float:
-    """Linear warm-up to 1 over `warmup` steps, then cosine decay to 0 at `steps`."""
-    if step < warmup:
-        return (step + 1) / warmup
-    return 0.5 * (1.0 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
-
-
 def train_dflash(
     target: str | Path | CausalLM,
     data_path: str | Path | list[str | Path],
@@ -261,6 +255,7 @@ def train_dflash(
     batch_size: int = 16,
     lr: float = 6e-4,
     warmup_frac: float = 0.04,
+    schedule: str = "cosine",
     weight_decay: float = 0.0,
     grad_clip: float = 1.0,
     gamma: float = 7.0,
@@ -296,11 +291,13 @@ def train_dflash(
     they fit (`store_fits`). `distill`: soft labels, the target's next-token distributions (`soft_labels`;
     validation still scores against the data's tokens, so runs with and without compare). `tap_features`: a file
     of the rows' tap features saved by `gen-data --save-taps` (`tap_file.py`), used instead of a target pass.
+    `schedule`: the learning-rate shape (`lr_schedule.py`).
     `result.drafter` is the last state, `result.saved_step` says which was saved.
     """
     if distill and tap_features is not None:
         raise ValueError("distillation needs the target's final hidden states, which a tap feature file does not "
                          "hold: drop the tap feature file to compute them")
+    lr_factor(0, steps, schedule)  # an unknown schedule fails before anything loads
     budget = StepBudget(steps, time_budget_s)
     rows = read_rows(data_path, max_len, min_response=2)  # before the target loads: bad data fails fast
     val_rows, train_rows = split_validation(rows, lambda r: r.key, val_frac)
@@ -347,7 +344,7 @@ def train_dflash(
     optim = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay,
                               fused=device.type == "cuda")
     sched = torch.optim.lr_scheduler.LambdaLR(
-        optim, budget.schedule(lambda step, total: _lr_factor(step, total, max(1, round(warmup_frac * total)))))
+        optim, budget.schedule(lambda step, total: lr_factor(step, total, schedule, warmup_frac)))
     autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
     result = TrainResult(Path(out_dir), drafter, raw)
     Path(out_dir).mkdir(parents=True, exist_ok=True)
@@ -421,6 +418,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--lr", type=float, default=6e-4)
     p.add_argument("--warmup-frac", type=float, default=0.04)
+    p.add_argument("--schedule", default="cosine", choices=SCHEDULES,
+                   help="learning-rate shape (train/lr_schedule.py); constant + a cosine run from it = one WSD cycle in two jobs")
     p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--grad-clip", type=float, default=1.0)
     p.add_argument("--gamma", type=float, default=7.0, help="loss weight exp(-(k-1)/gamma) of block position k")
@@ -459,7 +458,7 @@ def main(argv: list[str] | None = None) -> int:
             args.model_path, args.data, args.out, num_layers=args.num_layers, block_size=args.block_size,
             target_layer_ids=args.target_layer_ids, mask_token_id=args.mask_token_id, layer_types=args.layer_types,
             sliding_window=args.sliding_window, causal_sliding_in_block=not args.bidirectional_sliding,
-            steps=args.steps, batch_size=args.batch_size, lr=args.lr, warmup_frac=args.warmup_frac,
+            steps=args.steps, batch_size=args.batch_size, lr=args.lr, warmup_frac=args.warmup_frac, schedule=args.schedule,
             weight_decay=args.weight_decay, grad_clip=args.grad_clip, gamma=args.gamma,
             anchors_per_seq=args.anchors_per_seq, max_len=args.max_len, device=args.device, dtype=args.dtype,
             seed=args.seed, val_frac=args.val_frac, log_every=args.log_every, eval_every=args.eval_every,

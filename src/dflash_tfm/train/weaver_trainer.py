@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import random
 import sys
@@ -45,14 +44,13 @@ from dflash_tfm.models.decoder import CausalLM
 from dflash_tfm.spec.dflash import DFlashDrafter
 from dflash_tfm.spec.weaver import SPECULATOR_KIND, Weaver, WeaverConfig, WeaverNorm, load_weaver
 from dflash_tfm.train.dflash_forward import block_forward
+from dflash_tfm.train.lr_schedule import SCHEDULES, lr_factor
 from dflash_tfm.train.rows import TrainRow, read_rows
 from dflash_tfm.train.shapes import padded_length
 from dflash_tfm.train.step_budget import StepBudget
 from dflash_tfm.train.target_features import FeatureStore, TargetFeatures, store_fits
 from dflash_tfm.train.validation_split import split_validation
 
-SCHEDULES = ("wsd", "cosine", "constant")
-WARMUP_FRAC, DECAY_FRAC = 0.04, 0.2  # WSD: 4 % linear warm-up, flat, linear decay to 0 over the last 20 %
 MAX_VAL_POSITIONS = 512
 VAL_ROWS_PER_PASS = 8  # rows per target pass when the held-out positions are computed
 
@@ -207,18 +205,6 @@ def evaluate(weaver: Weaver, batches: list[PathBatch], embed: torch.Tensor, lm_h
         totals["dflash_top1"] += float(_top1(base, batch)) * n
         count += n
     return {k: v / count for k, v in totals.items()}
-
-
-def lr_multiplier(step: int, steps: int, schedule: str) -> float:
-    """Learning-rate factor at optimizer step ``step`` of ``steps``. WSD = warmup-stable-decay: linear warm-up,
-    a long flat phase at the peak, linear decay to 0 at the end (the schedule the original used)."""
-    warmup = max(1, round(WARMUP_FRAC * steps))
-    if schedule == "constant" or step < warmup:
-        return min(1.0, (step + 1) / warmup)
-    if schedule == "cosine":
-        return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
-    decay_start = steps - max(1, round(DECAY_FRAC * steps))
-    return 1.0 if step < decay_start else max(0.0, (steps - step) / (steps - decay_start))
 
 
 def new_weaver(cfg: WeaverConfig, device: torch.device, dtype: torch.dtype, seed: int) -> Weaver:
@@ -387,7 +373,7 @@ def train_weaver(
               {"params": [p for p in weaver.parameters() if p.dim() < 2], "weight_decay": 0.0}]  # norms, biases
     optimizer = torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95))
     scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, budget.schedule(lambda step, total: lr_multiplier(step, total, schedule)))
+        optimizer, budget.schedule(lambda step, total: lr_factor(step, total, schedule)))
     bar = tqdm(total=steps, desc="train-weaver", unit="step", disable=not progress)
     budget.begin()
     step = 0
