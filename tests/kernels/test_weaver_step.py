@@ -124,6 +124,40 @@ def test_kernels_compile_for_hopper() -> None:
              for f in step_flags]
     cases += [(weaver_step._node_attention_kernel, attention, dict(ROTARY=r, D=128, BT=32)) for r in (True, False)]
     cases += [(weaver_round._rescore_pool_kernel, rescore, dict(NORM=n, BP=16, BD=256)) for n in (True, False)]
-    for fn, signature, constexprs in cases:
+    options = [{"num_warps": 4}] * len(cases)
+    for tile in filter(None, weaver_step.ROW_TILES.values()):  # the timed tiles, on one set of flags
+        BN, BK, warps, stages = tile
+        cases.append((weaver_step._rows_matmul_kernel, matmul, dict(step_flags[3], PRECISION="tf32", BM=16, BN=BN, BK=BK)))
+        options.append({"num_warps": warps, "num_stages": stages})
+    for (fn, signature, constexprs), option in zip(cases, options, strict=True):
         source = ASTSource(fn=fn, signature=signature | dict.fromkeys(constexprs, "constexpr"), constexprs=constexprs)
-        assert triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["cubin"]
+        assert triton.compile(source, target=GPUTarget("cuda", 90, 32), options=option).asm["cubin"]
+
+
+class _Always(dict):
+    """A choice table that answers `tile` for every key: forces one tile where the choice would time them."""
+
+    def __init__(self, tile: str) -> None:
+        super().__init__()
+        self.tile = tile
+
+    def __contains__(self, key: object) -> bool:
+        return True
+
+    def __getitem__(self, key: object) -> str:
+        return self.tile
+
+
+@pytest.mark.parametrize("tile", [t for t in weaver_step.ROW_TILES if t != "default"])
+def test_triton_weaver_step_every_timed_tile_matches_torch_step(tile: str, triton_device: str, tmp_path,
+                                                                 monkeypatch) -> None:
+    monkeypatch.setattr(weaver_step.rows_matmul_choice, "choices", _Always(tile))
+    model, cfg = tiny_target()
+    path = tmp_path / "w.pth"
+    write_random_weaver_checkpoint(path, cfg, variant=1, num_layers=2, seed=3)
+    weaver = load_weaver(path, model.to(triton_device), cfg, BLOCK, triton_device, torch.float32)
+    cache, nodes, tokens, depths, ancestors = step_case(weaver, triton_device, seed=2)
+    want_cache, got_cache = clone(cache), clone(cache)
+    want = weaver.step(want_cache, nodes, tokens[nodes], depths[nodes], ancestors[nodes])
+    rows = weaver_step.weaver_step_rows(weaver, got_cache, nodes, tokens, depths, ancestors)
+    assert rel_err(weaver.out_norm(rows), want) <= 1e-5

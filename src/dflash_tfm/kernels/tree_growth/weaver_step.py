@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from dflash_tfm.kernels import use_triton
+from dflash_tfm.layers.measured_choice import MeasuredChoice
 
 if TYPE_CHECKING:
     from dflash_tfm.spec.weaver import Weaver, WeaverCache, WeaverNorm
@@ -195,6 +196,15 @@ def _block_n(n: int) -> int:
     return 16 if n <= 2048 else 32  # enough programs to keep the weight stream in flight
 
 
+# Tiles (BN, BK, warps, stages) of `_rows_matmul_kernel`, timed per shape (`rows_matmul_choice`). Session 10's
+# H200 profile: the default tiles streamed the Weaver's 59 MB per round at ~0.8 TB/s (1.17 ms of a budget-128
+# tree's 2.02 ms), cuBLAS the same projections at ~1.5 TB/s: wider K steps and more stages keep more weight
+# bytes in flight per program.
+ROW_TILES = {"default": None, "n16 k256 s4": (16, 256, 4, 4), "n32 k256 s4": (32, 256, 4, 4),
+             "n64 k256 w8": (64, 256, 8, 3), "n16 k512 s3": (16, 512, 4, 3), "n32 k512 w8": (32, 512, 8, 2)}
+rows_matmul_choice = MeasuredChoice(default="default")
+
+
 def _rows_matmul(
     x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, *, norm: WeaverNorm | None = None,
     bias: torch.Tensor | None = None, act: int = NO_ACT, res: torch.Tensor | None = None,
@@ -208,15 +218,25 @@ def _rows_matmul(
     K = weight.shape[1]
     tokens, nodes, depths, pos_emb, x_out = gather if gather is not None else (y, y, y, None, y)
     dummy = weight
-    _rows_matmul_kernel[(triton.cdiv(N, _block_n(N)),)](
-        x, res if res is not None else dummy, x_out, tokens, nodes, depths,
-        pos_emb if pos_emb is not None else dummy, norm.weight if norm is not None else dummy,
-        norm.bias if norm is not None else dummy, weight, bias if bias is not None else dummy, y,
-        M, N, K, pos_emb.shape[0] if pos_emb is not None else 1, NORM_EPS,
-        GATHER=gather is not None, POS=pos_emb is not None, NORM=norm is not None, ACT=act,
-        HAS_BIAS=bias is not None, RESIDUAL=res is not None,
-        PRECISION="ieee" if weight.dtype == torch.float32 else "tf32",
-        BM=MAX_ROWS, BN=_block_n(N), BK=min(128, triton.next_power_of_2(K)), num_warps=4)
+    flags = dict(GATHER=gather is not None, POS=pos_emb is not None, NORM=norm is not None, ACT=act,
+                 HAS_BIAS=bias is not None, RESIDUAL=res is not None)
+
+    def launch(tile: str) -> None:
+        BN, BK, warps, stages = ROW_TILES[tile] or (_block_n(N), 128, 4, 3)
+        BK = min(BK, triton.next_power_of_2(K))
+        _rows_matmul_kernel[(triton.cdiv(N, BN),)](
+            x, res if res is not None else dummy, x_out, tokens, nodes, depths,
+            pos_emb if pos_emb is not None else dummy, norm.weight if norm is not None else dummy,
+            norm.bias if norm is not None else dummy, weight, bias if bias is not None else dummy, y,
+            M, N, K, pos_emb.shape[0] if pos_emb is not None else 1, NORM_EPS, **flags,
+            PRECISION="ieee" if weight.dtype == torch.float32 else "tf32",
+            BM=MAX_ROWS, BN=BN, BK=BK, num_warps=warps, num_stages=stages)
+
+    # Every launch writes fresh outputs from unchanged inputs (x_out gets the same rows), so timing may repeat it.
+    key = (M, N, K, weight.dtype, *flags.values())
+    tile = rows_matmul_choice.pick(key, lambda: {t: (lambda t=t: launch(t)) for t in ROW_TILES},
+                                   can_time=weight.is_cuda)
+    launch(tile)
 
 
 def weaver_step_rows(weaver: Weaver, cache: WeaverCache, nodes: torch.Tensor, tokens: torch.Tensor,
