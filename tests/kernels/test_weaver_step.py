@@ -127,7 +127,8 @@ def test_kernels_compile_for_hopper() -> None:
     options = [{"num_warps": 4}] * len(cases)
     for tile in filter(None, weaver_step.ROW_TILES.values()):  # the timed tiles, on one set of flags
         BN, BK, warps, stages = tile
-        cases.append((weaver_step._rows_matmul_kernel, matmul, dict(step_flags[3], PRECISION="tf32", BM=16, BN=BN, BK=BK)))
+        constexprs = dict(step_flags[3], PRECISION="tf32", BM=16, BN=BN, BK=BK)
+        cases.append((weaver_step._rows_matmul_kernel, matmul, constexprs))
         options.append({"num_warps": warps, "num_stages": stages})
     for (fn, signature, constexprs), option in zip(cases, options, strict=True):
         source = ASTSource(fn=fn, signature=signature | dict.fromkeys(constexprs, "constexpr"), constexprs=constexprs)

@@ -282,6 +282,11 @@ def test_default_mask_token_skips_chat_and_special_ids():
     assert default_mask_token_id(Tok(), 160) == 7
 
 
+def test_unknown_schedule_fails_before_the_target_loads(tmp_path, data_file):
+    with pytest.raises(ValueError, match="schedule must be one of"):
+        train_dflash(tmp_path / "no-such-target", data_file, tmp_path / "d", schedule="linear", progress=False)
+
+
 def test_cli_trains_from_a_checkpoint_directory(tmp_path, data_file, monkeypatch):
     """`main` loads a target directory (HF layout, with its tokenizer for the mask default) and saves a drafter."""
     monkeypatch.setenv("DFLASH_TFM_COMPILE", "0")  # main() sets it for its process; keep it out of the others

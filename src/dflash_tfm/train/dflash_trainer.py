@@ -41,7 +41,7 @@ from dflash_tfm.spec.dflash import DFlashDrafter, load_dflash_drafter
 from dflash_tfm.spec.dflash_config import drafter_config_dict
 from dflash_tfm.train.dflash_checkpoint import build_trainable_drafter, default_mask_token_id, save_drafter
 from dflash_tfm.train.dflash_forward import block_forward
-from dflash_tfm.train.lr_schedule import SCHEDULES, lr_factor
+from dflash_tfm.train.lr_schedule import SCHEDULES, check_schedule, lr_factor
 from dflash_tfm.train.rows import TrainRow, read_rows
 from dflash_tfm.train.shapes import padded_length
 from dflash_tfm.train.step_budget import StepBudget
@@ -297,7 +297,7 @@ def train_dflash(
     if distill and tap_features is not None:
         raise ValueError("distillation needs the target's final hidden states, which a tap feature file does not "
                          "hold: drop the tap feature file to compute them")
-    lr_factor(0, steps, schedule)  # an unknown schedule fails before anything loads
+    check_schedule(schedule)
     budget = StepBudget(steps, time_budget_s)
     rows = read_rows(data_path, max_len, min_response=2)  # before the target loads: bad data fails fast
     val_rows, train_rows = split_validation(rows, lambda r: r.key, val_frac)
@@ -419,7 +419,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=6e-4)
     p.add_argument("--warmup-frac", type=float, default=0.04)
     p.add_argument("--schedule", default="cosine", choices=SCHEDULES,
-                   help="learning-rate shape (train/lr_schedule.py); constant + a cosine run from it = one WSD cycle in two jobs")
+                   help="learning-rate shape (train/lr_schedule.py); constant, then a cosine run from its drafter: "
+                        "one WSD cycle in two jobs")
     p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--grad-clip", type=float, default=1.0)
     p.add_argument("--gamma", type=float, default=7.0, help="loss weight exp(-(k-1)/gamma) of block position k")
@@ -458,8 +459,8 @@ def main(argv: list[str] | None = None) -> int:
             args.model_path, args.data, args.out, num_layers=args.num_layers, block_size=args.block_size,
             target_layer_ids=args.target_layer_ids, mask_token_id=args.mask_token_id, layer_types=args.layer_types,
             sliding_window=args.sliding_window, causal_sliding_in_block=not args.bidirectional_sliding,
-            steps=args.steps, batch_size=args.batch_size, lr=args.lr, warmup_frac=args.warmup_frac, schedule=args.schedule,
-            weight_decay=args.weight_decay, grad_clip=args.grad_clip, gamma=args.gamma,
+            steps=args.steps, batch_size=args.batch_size, lr=args.lr, warmup_frac=args.warmup_frac,
+            schedule=args.schedule, weight_decay=args.weight_decay, grad_clip=args.grad_clip, gamma=args.gamma,
             anchors_per_seq=args.anchors_per_seq, max_len=args.max_len, device=args.device, dtype=args.dtype,
             seed=args.seed, val_frac=args.val_frac, log_every=args.log_every, eval_every=args.eval_every,
             time_budget_s=None if args.time_budget_minutes is None else 60 * args.time_budget_minutes,

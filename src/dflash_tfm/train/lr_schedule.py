@@ -13,10 +13,15 @@ import math
 SCHEDULES = ("cosine", "wsd", "constant")
 
 
-def lr_factor(step: int, steps: int, schedule: str, warmup_frac: float = 0.04, decay_frac: float = 0.2) -> float:
-    """The factor at optimizer step `step` (0-based) of `steps`."""
+def check_schedule(schedule: str) -> None:
+    """A clear error for an unknown name (the trainers call it before loading anything)."""
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
+
+
+def lr_factor(step: int, steps: int, schedule: str, warmup_frac: float = 0.04, decay_frac: float = 0.2) -> float:
+    """The factor at optimizer step `step` (0-based) of `steps`."""
+    check_schedule(schedule)
     warmup = max(1, round(warmup_frac * steps))
     if schedule == "constant" or step < warmup:
         return min(1.0, (step + 1) / warmup)

@@ -44,7 +44,7 @@ from dflash_tfm.models.decoder import CausalLM
 from dflash_tfm.spec.dflash import DFlashDrafter
 from dflash_tfm.spec.weaver import SPECULATOR_KIND, Weaver, WeaverConfig, WeaverNorm, load_weaver
 from dflash_tfm.train.dflash_forward import block_forward
-from dflash_tfm.train.lr_schedule import SCHEDULES, lr_factor
+from dflash_tfm.train.lr_schedule import SCHEDULES, check_schedule, lr_factor
 from dflash_tfm.train.rows import TrainRow, read_rows
 from dflash_tfm.train.shapes import padded_length
 from dflash_tfm.train.step_budget import StepBudget
@@ -329,8 +329,7 @@ def train_weaver(
     """
     if variant not in (1, 2):
         raise ValueError(f"variant must be 1 (swiglu, rotary) or 2 (gelu, pos_emb), got {variant}")
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
+    check_schedule(schedule)
     if steps < 1 or batch_size < 1 or positions_per_row < 1 or log_every < 1:
         raise ValueError("steps, batch_size, positions_per_row and log_every must be >= 1")
     device = torch.device(device) if device is not None else target.embed_tokens.device
