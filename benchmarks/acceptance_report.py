@@ -16,10 +16,16 @@ from pathlib import Path
 ORDER = ("AR", "DFLASH", "DDTREE", "DFLASH_TFM")
 
 
+TFM_CHILDREN = 16  # the engine's default DFLASH_TFM width (spec.weaver_tree.DEFAULT_CHILDREN_PER_NODE)
+
+
 def label(row: dict) -> str:
-    """The algorithm, with a non-default DFLASH_TFM tree width appended ("DFLASH_TFM c16")."""
-    children = row.get("children_per_node")
-    return row["algorithm"] if children in (None, 8) else f"{row['algorithm']} c{children}"
+    """The algorithm, with a non-default DFLASH_TFM tree width appended ("DFLASH_TFM c8"). Rows without the
+    field were measured before it was recorded, all at the then default of 8."""
+    if row["algorithm"] != "DFLASH_TFM":
+        return row["algorithm"]
+    children = row.get("children_per_node", 8)
+    return row["algorithm"] if children == TFM_CHILDREN else f"{row['algorithm']} c{children}"
 
 
 def order(name: str) -> int:

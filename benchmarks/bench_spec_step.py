@@ -24,7 +24,7 @@ import torch
 from benchmarks.bench_dflash_draft import QWEN3_6_27B_DFLASH
 from benchmarks.timing import report_choices, time_ms
 from dflash_tfm.config import ModelConfig
-from dflash_tfm.engine.decoder_factory import _proposer
+from dflash_tfm.engine.decoder_factory import build_proposer
 from dflash_tfm.engine.model_runner import ModelRunner
 from dflash_tfm.engine.speculative import SpeculativeDecoder
 from dflash_tfm.kernels.tree_growth.weaver_step import rows_matmul_choice
@@ -91,7 +91,7 @@ def main() -> None:
                                        num_layers=1, K=block - 1, pool=512)
         modes = [("DFLASH", 1)] + [(a, b) for b in args.budgets for a in ("DDTREE", "DFLASH_TFM")]
         for algo, budget in modes:
-            proposer = _proposer(algo, runner, cfg, weaver_path, budget, block)
+            proposer = build_proposer(algo, runner, cfg, weaver_path, budget, block)
             decoder = SpeculativeDecoder(runner, drafter, proposer)
             name = algo if algo == "DFLASH" else f"{algo} {budget}"
             r = measure(decoder, prompt, greedy, args.warmup, args.steps)

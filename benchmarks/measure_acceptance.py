@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from dflash_tfm.engine.decoder_factory import DEFAULT_CHILDREN_PER_NODE
 from dflash_tfm.demo import ALGORITHMS, DEMO_DATASETS, Cell, find_bundle, fit_prompts, load_demo_prompts, run_algorithms
 
 BUDGET_FREE = ("AR", "DFLASH")  # their decoders ignore the tree budget
@@ -35,7 +36,8 @@ def main() -> None:
     p.add_argument("--budgets", type=int, nargs="+", default=[64, 32, 16])
     p.add_argument("--algorithms", nargs="+", default=list(ALGORITHMS), choices=ALGORITHMS)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--children-per-node", type=int, default=8, help="DFLASH_TFM children per expanded node")
+    p.add_argument("--children-per-node", type=int, default=DEFAULT_CHILDREN_PER_NODE,
+                   help="DFLASH_TFM children per expanded node")
     p.add_argument("--device", default=None)
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--out", type=Path, required=True, help="JSON lines, appended")
@@ -62,7 +64,7 @@ def main() -> None:
                        "budget": None if cell.algorithm in BUDGET_FREE else budget, "prompts": len(cell.taus),
                        "tokens": cell.tokens, "tau": cell.tau, "tok_s": cell.tok_s, "taus": cell.taus,
                        "max_new_tokens": args.max_new_tokens, "device": str(device), "dtype": str(engine.dtype)}
-                if cell.algorithm == "DFLASH_TFM" and args.children_per_node != 8:
+                if cell.algorithm == "DFLASH_TFM":
                     row["children_per_node"] = args.children_per_node
                 with args.out.open("a", encoding="utf-8") as f:
                     f.write(json.dumps(row) + "\n")

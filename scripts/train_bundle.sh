@@ -12,7 +12,8 @@
 #                         plus .whl, .stage/prompts.jsonl[.gz] and .stage/datasets unless earlier calls of this
 #                         machine installed / staged them)
 #   PHASES="weaver tau"   train Weaver, measure τ (right after; nothing more to carry then; on a machine that
-#                         went cold, stage again and carry a returned drafter as .stage/bundle/dflash)
+#                         went cold, stage again and carry a returned drafter as .stage/bundle/dflash, or
+#                         name a drafter directory of the tree as WEAVER_DRAFTER)
 # Sizes come from the environment (defaults: a small run; the bundle README has the committed bundle's calls);
 # DEVICE=cpu runs it small here.
 # DFLASH_INIT / WEAVER_INIT continue training from a saved drafter directory / Weaver file (e.g. the
@@ -51,6 +52,7 @@ DFLASH_DISTILL=${DFLASH_DISTILL:-}    # 1: soft labels (the target's next-token 
 DFLASH_SCHEDULE=${DFLASH_SCHEDULE:-cosine}  # constant here + cosine in the next call (DFLASH_INIT=it) = one WSD cycle
 WEAVER_MINUTES=${WEAVER_MINUTES:-3}
 WEAVER_STEPS=${WEAVER_STEPS:-20000}
+WEAVER_DRAFTER=${WEAVER_DRAFTER:-.stage/bundle/dflash}  # the frozen drafter when this call trained none
 WEAVER_SAVE_DTYPE=${WEAVER_SAVE_DTYPE:-float32}  # bfloat16 halves weaver.pth (room for a larger drafter)
 TAU_PROMPTS=${TAU_PROMPTS:-20}
 TAU_TOKENS=${TAU_TOKENS:-256}
@@ -167,7 +169,7 @@ fi
 
 if [[ $PHASES == *weaver* ]]; then
   use_staged_data
-  [ -f "$WORK/bundle/dflash/config.json" ] || cp -r .stage/bundle/dflash "$WORK/bundle/"
+  [ -f "$WORK/bundle/dflash/config.json" ] || cp -r "$WEAVER_DRAFTER" "$WORK/bundle/dflash"
   join_gguf
   $PY -m dflash_tfm.train.weaver_trainer --model-path "$GGUF" --draft-model-path "$WORK/bundle/dflash" \
     --data "$WORK"/data/d*.jsonl --out "$WORK/bundle/weaver.pth" --steps "$WEAVER_STEPS" --batch-size 32 \

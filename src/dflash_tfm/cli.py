@@ -32,6 +32,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-draft-model-path", default=None)
     p.add_argument("--speculative-dflash-tfm-path", default=None, help="Weaver checkpoint (.pth)")
     p.add_argument("--speculative-dflash-tfm-tree-budget", type=int, default=64)
+    p.add_argument("--speculative-dflash-tfm-children-per-node", type=int, default=16,
+                   help="children a DFLASH_TFM node publishes per Weaver expansion (the published system: 8)")
     p.add_argument("--speculative-dflash-block-size", type=int, default=None, help="default: the drafter's")
     p.add_argument("--speculative-gdn-verify-kernel", default="chunk", choices=["chunk", "recurrent"])
     p.add_argument("--disable-cuda-graph", action="store_true")
@@ -46,6 +48,7 @@ def engine_from_args(args: argparse.Namespace):
         draft_model_path=args.speculative_draft_model_path,
         weaver_path=args.speculative_dflash_tfm_path,
         tree_budget=args.speculative_dflash_tfm_tree_budget,
+        tfm_children_per_node=args.speculative_dflash_tfm_children_per_node,
         block_size=args.speculative_dflash_block_size,
         gdn_verify_kernel=args.speculative_gdn_verify_kernel,
         device=args.device,

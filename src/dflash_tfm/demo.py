@@ -154,12 +154,13 @@ def warm_up(engine: Engine, texts: list[str], max_new_tokens: int, temperature: 
 def run_algorithms(
     engine: Engine, bundle: Bundle, prompts: dict[str, list[str]], *, max_new_tokens: int, temperature: float,
     budget: int, seed: int, algorithms: list[str] | None = None, on_cell: Callable[[Cell], None] | None = None,
-    progress: bool = True, children_per_node: int = 8,
+    progress: bool = True, children_per_node: int | None = None,
 ) -> list[Cell]:
     """Decode every prompt with every algorithm the bundle allows (or those of ``algorithms`` it allows), one
-    decoder at a time on one target; ``on_cell`` sees each finished (dataset, algorithm) cell."""
+    decoder at a time on one target; ``on_cell`` sees each finished (dataset, algorithm) cell.
+    ``children_per_node``: DFLASH_TFM's tree width (None: the engine default)."""
     from dflash_tfm import SamplingParams
-    from dflash_tfm.engine.decoder_factory import build_decoder
+    from dflash_tfm.engine.decoder_factory import DEFAULT_CHILDREN_PER_NODE, build_decoder
 
     algorithms = [a for a in bundle.algorithms() if algorithms is None or a in algorithms]
     every_text = [t for texts in prompts.values() for t in texts]
@@ -168,7 +169,8 @@ def run_algorithms(
     with tqdm(total=total, desc="demo", unit="request", disable=not progress) as bar:
         for algo in algorithms:
             engine.decoder = build_decoder(engine.runner, engine.config, None if algo == "AR" else algo,
-                                           bundle.dflash, bundle.weaver, budget, None, "chunk", children_per_node)
+                                           bundle.dflash, bundle.weaver, budget, None, "chunk",
+                                           children_per_node or DEFAULT_CHILDREN_PER_NODE)
             if every_text and engine.device.type == "cuda":
                 warm_up(engine, every_text, max_new_tokens, temperature, seed)
             for dataset, texts in prompts.items():

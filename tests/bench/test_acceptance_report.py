@@ -7,8 +7,10 @@ from benchmarks.acceptance_report import ordering, read_cells, table
 
 
 def write(path: Path, rows: list[tuple[str, str, float, int | None, float, int]]) -> None:
+    """Rows as measure_acceptance writes them (DFLASH_TFM ones at the default width)."""
     path.write_text("".join(json.dumps({"dataset": d, "algorithm": a, "temperature": t, "budget": b, "tau": tau,
-                                        "prompts": n}) + "\n" for d, a, t, b, tau, n in rows))
+                                        "prompts": n, **({"children_per_node": 16} if a == "DFLASH_TFM" else {})})
+                            + "\n" for d, a, t, b, tau, n in rows))
 
 
 def test_table_and_ordering(tmp_path: Path) -> None:
@@ -24,11 +26,11 @@ def test_table_and_ordering(tmp_path: Path) -> None:
 
 
 def test_a_wider_weaver_tree_is_its_own_row(tmp_path: Path) -> None:
-    """Rows measured with a non-default DFLASH_TFM width (children_per_node) neither overwrite nor merge
-    with the default cell."""
+    """Rows measured with a non-default DFLASH_TFM width (children_per_node; rows without the field were
+    measured at the old default, 8) neither overwrite nor merge with the default (16) cell."""
     rows = [{"dataset": "gsm8k", "algorithm": "DFLASH_TFM", "temperature": 1.0, "budget": 64, "tau": 1.8, "prompts": 20},
             {"dataset": "gsm8k", "algorithm": "DFLASH_TFM", "temperature": 1.0, "budget": 64, "tau": 2.0, "prompts": 20,
              "children_per_node": 16}]
     (tmp_path / "w.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     md = table(read_cells([tmp_path / "w.jsonl"]), ["gsm8k"])
-    assert "| 1 | 64 | DFLASH_TFM | 1.80 | 1.80 |" in md and "| 1 | 64 | DFLASH_TFM c16 | 2.00 | 2.00 |" in md
+    assert "| 1 | 64 | DFLASH_TFM c8 | 1.80 | 1.80 |" in md and "| 1 | 64 | DFLASH_TFM | 2.00 | 2.00 |" in md

@@ -44,7 +44,7 @@ def test_triton_rescore_pool_matches_twin(dtype: torch.dtype, tol: float, triton
     assert rel_err(got, want) <= tol
 
 
-@pytest.mark.parametrize("children", [1, 4, 8])
+@pytest.mark.parametrize("children", [1, 4, 8, 16])
 def test_triton_publish_children_matches_twin(children: int, triton_device: str) -> None:
     gen = torch.Generator().manual_seed(children)
     Kd, P, n, V = 5, 37, 16, 100

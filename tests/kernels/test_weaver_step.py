@@ -124,6 +124,16 @@ def test_kernels_compile_for_hopper() -> None:
              for f in step_flags]
     cases += [(weaver_step._node_attention_kernel, attention, dict(ROTARY=r, D=128, BT=32)) for r in (True, False)]
     cases += [(weaver_round._rescore_pool_kernel, rescore, dict(NORM=n, BP=16, BD=256)) for n in (True, False)]
+    # The round's bookkeeping at both tree widths (8 published, 16 default) for 65- and 129-node trees.
+    publish = dict(logits="*fp32", pool_ids=i64, depths=i64, scores="*fp32", frontier_score="*fp32",
+                   frontier_token=i64, nodes=i64, P="i32", K="i32")
+    place = dict(flat_score="*fp32", flat_token=i64, tokens=i64, parents=i64, depths=i64, scores="*fp32",
+                 ancestors="*u8", nodes=i64, E="i32", N="i32")
+    for c in (8, 16):
+        cases.append((weaver_round._publish_children_kernel, publish, dict(C=c, BP=512, FLOOR=-1e30)))
+        cases += [(weaver_round._place_nodes_kernel, place, dict(W=w, C=c, BE=triton.next_power_of_2(n * c),
+                                                                 BN=triton.next_power_of_2(n)))
+                  for n, w in ((65, 4), (129, 8))]
     options = [{"num_warps": 4}] * len(cases)
     for tile in filter(None, weaver_step.ROW_TILES.values()):  # the timed tiles, on one set of flags
         BN, BK, warps, stages = tile

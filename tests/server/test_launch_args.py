@@ -89,6 +89,10 @@ DFLASH = ["--speculative-algorithm", "DFLASH", "--speculative-draft-model-path",
     (["--speculative-algorithm", "DDTREE", "--speculative-draft-model-path", "/d",
       "--speculative-dflash-tfm-tree-budget", "0"], "--speculative-dflash-tfm-tree-budget must be >= 1, got 0"),
     (DFLASH + ["--speculative-dflash-block-size", "1"], "--speculative-dflash-block-size must be >= 2"),
+    (["--speculative-dflash-tfm-children-per-node", "8"],
+     "--speculative-dflash-tfm-children-per-node given without --speculative-algorithm"),
+    (DFLASH[:1] + ["DFLASH_TFM"] + DFLASH[2:] + ["--speculative-dflash-tfm-path", "/w",
+      "--speculative-dflash-tfm-children-per-node", "0"], "--speculative-dflash-tfm-children-per-node must be >= 1, got 0"),
     (["--speculative-algorithm", "EAGLE"], "invalid choice: 'EAGLE'"),
     (["--speculative-algorithm", "DFLASH"], "needs --speculative-draft-model-path"),
     (DFLASH[:1] + ["DFLASH_TFM"] + DFLASH[2:], "needs --speculative-dflash-tfm-path"),
@@ -105,6 +109,19 @@ def test_impossible_flags_rejected_at_start(argv: list[str], message: str, capsy
 def test_tree_budget_with_chain_algorithm_is_logged_not_used() -> None:
     args = parse_server_args(DFLASH + ["--speculative-dflash-tfm-tree-budget", "32"])
     assert "--speculative-dflash-tfm-tree-budget=32" in args.not_applicable
+
+
+def test_weaver_tree_width_flag() -> None:
+    """DFLASH_TFM's children per node: default 16, settable (8 = the published width), reported by
+    /get_model_info, and logged as unused for the algorithms without a Weaver tree."""
+    tfm = DFLASH[:1] + ["DFLASH_TFM"] + DFLASH[2:] + ["--speculative-dflash-tfm-path", "/w"]
+    assert parse_server_args(tfm).speculative_dflash_tfm_children_per_node == 16
+    args = parse_server_args(tfm + ["--speculative-dflash-tfm-children-per-node", "8"])
+    assert args.engine_namespace().speculative_dflash_tfm_children_per_node == 8
+    assert args.speculative_info()["speculative_dflash_tfm_children_per_node"] == 8
+    ddtree = parse_server_args(DFLASH[:1] + ["DDTREE"] + DFLASH[2:] + ["--speculative-dflash-tfm-children-per-node", "8"])
+    assert "--speculative-dflash-tfm-children-per-node=8" in ddtree.not_applicable
+    assert ddtree.speculative_info()["speculative_dflash_tfm_children_per_node"] is None
 
 
 def test_main_reports_load_error_without_serving(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:

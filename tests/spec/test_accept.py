@@ -58,3 +58,40 @@ def test_target_draws_invert_the_cdf_and_never_pick_a_masked_token() -> None:
     assert target_draws(logits, params, uniforms).tolist() == [0, 4, 5, 5]
     greedy = target_draws(logits, SamplingParams(temperature=0.0), uniforms)
     assert greedy.tolist() == [4, 4, 4, 4]
+
+
+def _tree_with_logits(seed: int, n: int = 24, vocab: int = 12) -> tuple:
+    gen = torch.Generator().manual_seed(seed)
+    parents = random_parents(n, "random", seed=seed, max_depth=6)
+    tokens = torch.zeros(n, dtype=torch.long)
+    for p in set(parents.tolist()):
+        kids = (parents == p).nonzero().flatten()
+        tokens[kids] = torch.randperm(vocab, generator=gen)[: len(kids)]
+    tree = TreeSpec.build(tokens, parents)
+    logits = torch.randn(n, vocab, generator=gen)
+    logits[parents[1:], tokens[1:]] += 2.0  # drafts the target likes: deep paths get accepted
+    return tokens, parents, tree, logits
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_expected_accepted_matches_sampled_walks(seed: int) -> None:
+    """The exact expectation equals the mean accepted count of many independent walks (within 4 standard
+    errors), and at temperature 0 it is the one walk's accepted count."""
+    from dflash_tfm.sampling_params import SamplingParams
+    from dflash_tfm.spec.accept import expected_accepted, target_draws
+
+    tokens, parents, tree, logits = _tree_with_logits(seed)
+    ancestors = tree.ancestor_mask()
+    params = SamplingParams(temperature=1.0, top_k=4)
+    exact = float(expected_accepted(logits, tokens, parents, ancestors, params))
+    gen = torch.Generator().manual_seed(100 + seed)
+    counts = []
+    for _ in range(4000):
+        draws = target_draws(logits, params, torch.rand(len(tokens), generator=gen))
+        counts.append(int(accept_tree(tokens, parents, tree.depths, ancestors, draws, 6).accepted.sum()) - 1)
+    counts = torch.tensor(counts, dtype=torch.float64)
+    assert exact > 0.1
+    assert abs(counts.mean().item() - exact) < 4 * counts.std().item() / len(counts) ** 0.5
+    greedy = SamplingParams(temperature=0.0)
+    walk = accept_tree(tokens, parents, tree.depths, ancestors, target_draws(logits, greedy, torch.zeros(1)), 6)
+    assert float(expected_accepted(logits, tokens, parents, ancestors, greedy)) == int(walk.accepted.sum()) - 1

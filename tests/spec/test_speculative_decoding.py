@@ -15,7 +15,7 @@ import torch
 
 from dflash_tfm.config import ModelConfig
 from dflash_tfm.engine.autoregressive import AutoregressiveDecoder
-from dflash_tfm.engine.decoder_factory import _proposer, build_decoder
+from dflash_tfm.engine.decoder_factory import build_proposer, build_decoder
 from dflash_tfm.engine.model_runner import ModelRunner
 from dflash_tfm.engine.speculative import SpeculativeDecoder
 from dflash_tfm.loading.loader import build_model
@@ -76,11 +76,12 @@ def test_random_drafters_reproduce_greedy(target, algo: str, budget: int) -> Non
     assert decode(decoder)[0] == greedy_reference(model)
 
 
-def test_wider_weaver_trees_reproduce_greedy(target) -> None:
-    """DFLASH_TFM with 16 children per expanded node (Engine's tfm_children_per_node) is lossless too."""
+def test_published_tree_width_reproduces_greedy(target) -> None:
+    """DFLASH_TFM with the published 8 children per expanded node (Engine's tfm_children_per_node; the default
+    is 16) is lossless too."""
     cfg, model, root = target
     decoder = build_decoder(runner_for(model), cfg, "DFLASH_TFM", root / "dflash", root / "weaver.pth", 64, None,
-                            "chunk", children_per_node=16)
+                            "chunk", children_per_node=8)
     assert decode(decoder)[0] == greedy_reference(model)
 
 
@@ -116,7 +117,7 @@ def test_oracle_drafter_accepts_whole_blocks(target, algo: str, budget: int) -> 
     reference = greedy_reference(model, N_TOKENS + 3 * BLOCK)
     runner = runner_for(model)
     drafter = OracleDrafter(reference, len(PROMPT), cfg.hidden_size)
-    decoder = SpeculativeDecoder(runner, drafter, _proposer(algo, runner, cfg, root / "weaver.pth", max(budget, 1), BLOCK))
+    decoder = SpeculativeDecoder(runner, drafter, build_proposer(algo, runner, cfg, root / "weaver.pth", max(budget, 1), BLOCK))
     tokens, per_step = decode(decoder)
     assert tokens == reference[:N_TOKENS]
     assert per_step == [BLOCK] * len(per_step), per_step  # tau = block size = depth 15 + 1
@@ -129,9 +130,9 @@ def test_trees_accept_through_second_siblings(target, algo: str) -> None:
     reference = greedy_reference(model, N_TOKENS + 3 * BLOCK)
     runner = runner_for(model)
     drafter = OracleDrafter(reference, len(PROMPT), cfg.hidden_size, demote_every=5)
-    chain = SpeculativeDecoder(runner, drafter, _proposer("DFLASH", runner, cfg, None, 1, BLOCK))
+    chain = SpeculativeDecoder(runner, drafter, build_proposer("DFLASH", runner, cfg, None, 1, BLOCK))
     chain_tokens, chain_steps = decode(chain)
-    tree = SpeculativeDecoder(runner, drafter, _proposer(algo, runner, cfg, root / "weaver.pth", 64, BLOCK))
+    tree = SpeculativeDecoder(runner, drafter, build_proposer(algo, runner, cfg, root / "weaver.pth", 64, BLOCK))
     tree_tokens, tree_steps = decode(tree)
     assert chain_tokens == tree_tokens == reference[:N_TOKENS]
     assert max(chain_steps) <= 5 and len(tree_steps) < len(chain_steps)

@@ -72,12 +72,14 @@ def inputs(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.T
 
 @pytest.mark.parametrize("variant", [1, 2])
 @pytest.mark.parametrize("budget", [8, 16, 64])
-def test_weaver_tree_equals_slow_reference(variant: int, budget: int, setup) -> None:
+@pytest.mark.parametrize("children", [8, 16])
+def test_weaver_tree_equals_slow_reference(variant: int, budget: int, children: int, setup) -> None:
     weaver, ref = setup[variant]
     root, logits, h_dflash, h_target = inputs(seed=budget + variant)
-    tokens, parents, depths = build_weaver_tree(weaver, root, logits, h_dflash, h_target, budget)
+    tokens, parents, depths = build_weaver_tree(weaver, root, logits, h_dflash, h_target, budget,
+                                                children_per_node=children)
     check_tree(tokens, parents, depths, budget + 1, int(root))
-    want = slow_weaver_tree(ref, int(root), logits, h_dflash, h_target, budget, pool=VOCAB)
+    want = slow_weaver_tree(ref, int(root), logits, h_dflash, h_target, budget, pool=VOCAB, children=children)
     assert (tokens.tolist(), parents.tolist(), depths.tolist()) == want
 
 

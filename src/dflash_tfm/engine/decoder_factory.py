@@ -12,6 +12,7 @@ from dflash_tfm.config import ModelConfig
 from dflash_tfm.engine.autoregressive import AutoregressiveDecoder
 from dflash_tfm.engine.model_runner import ModelRunner
 from dflash_tfm.engine.speculative import Proposer, SpeculativeDecoder
+from dflash_tfm.spec.weaver_tree import DEFAULT_CHILDREN_PER_NODE, build_weaver_tree
 
 SPECULATIVE_ALGORITHMS = ("DFLASH", "DDTREE", "DFLASH_TFM")
 
@@ -29,7 +30,7 @@ def normalize_algorithm(name: str | None) -> str | None:
 def build_decoder(
     runner: ModelRunner, cfg: ModelConfig, algorithm: str | None, draft_model_path: str | Path | None,
     weaver_path: str | Path | None, tree_budget: int, block_size: int | None, gdn_kernel: str,
-    children_per_node: int = 8,
+    children_per_node: int = DEFAULT_CHILDREN_PER_NODE,
 ) -> AutoregressiveDecoder | SpeculativeDecoder:
     algo = normalize_algorithm(algorithm)
     if algo is None:
@@ -48,12 +49,13 @@ def build_decoder(
     block = drafter.config.block_size
     if block_size is not None and block_size != block:
         raise ValueError(f"block_size {block_size} does not match the drafter's block_size {block} ({draft_model_path})")
-    proposer = _proposer(algo, runner, cfg, weaver_path, tree_budget, block, children_per_node)
+    proposer = build_proposer(algo, runner, cfg, weaver_path, tree_budget, block, children_per_node)
     return SpeculativeDecoder(runner, drafter, proposer, gdn_kernel)
 
 
-def _proposer(
-    algo: str, runner: ModelRunner, cfg: ModelConfig, weaver_path, budget: int, block: int, children_per_node: int = 8,
+def build_proposer(
+    algo: str, runner: ModelRunner, cfg: ModelConfig, weaver_path, budget: int, block: int,
+    children_per_node: int = DEFAULT_CHILDREN_PER_NODE,
 ) -> Proposer:
     from dflash_tfm.spec.chain import build_chain
 
@@ -67,7 +69,6 @@ def _proposer(
     if weaver_path is None:
         raise ValueError("speculative_algorithm=DFLASH_TFM needs weaver_path (a Weaver .pth checkpoint)")
     from dflash_tfm.spec.weaver import load_weaver
-    from dflash_tfm.spec.weaver_tree import build_weaver_tree
 
     weaver = load_weaver(weaver_path, runner.model, cfg, block, runner.device, runner.dtype)
     if budget + 1 <= block:  # a tree no larger than the block: the chain is at least as good

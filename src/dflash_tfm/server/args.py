@@ -22,7 +22,8 @@ DEFAULT_MAX_ADMITTED = 256
 QUEUE_PER_RUNNING_SLOT = 16  # admitted = 16 x --max-running-requests when --max-queued-requests is not given
 
 # Speculative flags whose presence (not just value) matters: without an algorithm they would be ignored.
-SPEC_VALUE_DESTS = ("speculative_dflash_tfm_tree_budget", "speculative_dflash_block_size", "speculative_gdn_verify_kernel")
+SPEC_VALUE_DESTS = ("speculative_dflash_tfm_tree_budget", "speculative_dflash_tfm_children_per_node",
+                    "speculative_dflash_block_size", "speculative_gdn_verify_kernel")
 SPEC_DESTS = SPEC_VALUE_DESTS + (
     "speculative_draft_model_path", "speculative_dflash_tfm_path", "speculative_num_draft_tokens",
     "speculative_draft_model_revision", "speculative_draft_attention_backend",
@@ -58,6 +59,7 @@ class ServerArgs:
     speculative_draft_model_path: str | None = None
     speculative_dflash_tfm_path: str | None = None
     speculative_dflash_tfm_tree_budget: int = 64
+    speculative_dflash_tfm_children_per_node: int = 16
     speculative_dflash_block_size: int | None = None  # None: the drafter's own block size
     speculative_gdn_verify_kernel: str = "chunk"
     disable_cuda_graph: bool = False
@@ -82,6 +84,9 @@ class ServerArgs:
             "speculative_dflash_block_size": self.speculative_dflash_block_size if spec else None,
             "speculative_dflash_tfm_tree_budget": (
                 self.speculative_dflash_tfm_tree_budget if self.speculative_algorithm in ("DDTREE", "DFLASH_TFM") else None
+            ),
+            "speculative_dflash_tfm_children_per_node": (
+                self.speculative_dflash_tfm_children_per_node if self.speculative_algorithm == "DFLASH_TFM" else None
             ),
             "speculative_gdn_verify_kernel": self.speculative_gdn_verify_kernel if spec else None,
         }
@@ -166,6 +171,9 @@ def server_args_from_namespace(ns: argparse.Namespace) -> ServerArgs:
         raise ServerArgsError(f"--speculative-dflash-block-size must be >= 2 (root + at least one draft), got {block}")
     if budget is not None and budget < 1:
         raise ServerArgsError(f"--speculative-dflash-tfm-tree-budget must be >= 1, got {budget}")
+    children = ns.speculative_dflash_tfm_children_per_node
+    if children is not None and children < 1:
+        raise ServerArgsError(f"--speculative-dflash-tfm-children-per-node must be >= 1, got {children}")
     if algo is not None and ns.speculative_draft_model_path is None:
         raise ServerArgsError(f"--speculative-algorithm {algo} needs --speculative-draft-model-path (the DFlash drafter)")
     if algo == "DFLASH_TFM" and ns.speculative_dflash_tfm_path is None:
@@ -192,6 +200,8 @@ def server_args_from_namespace(ns: argparse.Namespace) -> ServerArgs:
         )
     if algo == "DFLASH" and budget is not None:
         not_applicable[f"--speculative-dflash-tfm-tree-budget={budget}"] = "DFLASH verifies a chain, not a tree"
+    if algo in ("DFLASH", "DDTREE") and children is not None:
+        not_applicable[f"--speculative-dflash-tfm-children-per-node={children}"] = f"{algo} grows no Weaver tree"
     if ns.max_queued_requests is not None:
         admitted = ns.max_queued_requests
     elif ns.max_running_requests is not None:
@@ -204,6 +214,8 @@ def server_args_from_namespace(ns: argparse.Namespace) -> ServerArgs:
         speculative_draft_model_path=ns.speculative_draft_model_path,
         speculative_dflash_tfm_path=ns.speculative_dflash_tfm_path,
         speculative_dflash_tfm_tree_budget=defaults["speculative_dflash_tfm_tree_budget"] if budget is None else budget,
+        speculative_dflash_tfm_children_per_node=(
+            defaults["speculative_dflash_tfm_children_per_node"] if children is None else children),
         speculative_dflash_block_size=block,
         speculative_gdn_verify_kernel=ns.speculative_gdn_verify_kernel or defaults["speculative_gdn_verify_kernel"],
         disable_cuda_graph=ns.disable_cuda_graph,

@@ -59,3 +59,23 @@ def accept_tree(
     path.scatter_(0, slot, torch.arange(N, device=tokens.device))
     bonus = draws.index_select(0, last.view(1))[0]  # (indexing with a 0-dim tensor would sync the host)
     return Acceptance(accepted=accepted, path=path[: max_depth + 1], last=last, bonus=bonus)
+
+
+def expected_accepted(
+    logits: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, ancestors: torch.Tensor,
+    params: SamplingParams,
+) -> torch.Tensor:
+    """The exact expected number of drafts ``accept_tree`` accepts on this verified tree (0-dim fp32).
+
+    A node is accepted iff every draw along root→node matches, and the draws are independent: so the
+    expectation is Σ over non-root nodes of Π p_parent(token) along the path (p = ``processed_probs``, or the
+    argmax indicator when greedy). Used to compare tree builders on the same states without sampling noise.
+    """
+    if params.greedy:
+        probs = torch.zeros_like(logits, dtype=torch.float32).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+    else:
+        probs = processed_probs(logits, params)
+    edge = probs[parents.clamp(min=0), tokens].double()  # p of each node's token at its parent
+    edge = torch.where(parents < 0, torch.ones_like(edge), edge)
+    path = torch.where(ancestors, edge.unsqueeze(0), torch.ones_like(edge).unsqueeze(0)).prod(-1)
+    return (path.sum() - 1.0).float()  # the root's empty product counts 1
