@@ -66,9 +66,9 @@ def main() -> None:
                     weaver_path=args.bundle / "weaver.pth", tree_budget=budget, tfm_children_per_node=children,
                     device=device, max_model_len=1024, use_cuda_graph=False)
     block = engine.decoder.block
-    proposers = [build_proposer(a, engine.runner, engine.config, args.bundle / "weaver.pth", b, block, c)
-                 for a, b, c in args.variants]
-    names = [":".join(map(str, v)) for v in args.variants]
+    others = [build_proposer(a, engine.runner, engine.config, args.bundle / "weaver.pth", b, block, c)
+              for a, b, c in args.variants[1:]]  # the first variant is the engine's own decoder
+    names = [f"{a}:{b}:{c}" if a == "DFLASH_TFM" else f"{a}:{b}" for a, b, c in args.variants]
     params = SamplingParams(temperature=args.temperature, max_new_tokens=args.max_new_tokens)
     for dataset in args.datasets:
         per_prompt = [[] for _ in names]  # mean expected τ per step, per prompt
@@ -81,7 +81,7 @@ def main() -> None:
             produced, steps = 1, [[] for _ in names]
             stop = first in engine.eos_token_ids
             while not stop and produced < args.max_new_tokens:
-                out, expectations = engine.decoder.step_scoring(params, generator, proposers)
+                out, expectations = engine.decoder.step_scoring(params, generator, others)
                 for s, e in zip(steps, expectations):
                     s.append(1.0 + e)
                 produced += len(out)

@@ -168,9 +168,9 @@ def run_algorithms(
     total = len(algorithms) * sum(len(t) for t in prompts.values())
     with tqdm(total=total, desc="demo", unit="request", disable=not progress) as bar:
         for algo in algorithms:
+            children = DEFAULT_CHILDREN_PER_NODE if children_per_node is None else children_per_node
             engine.decoder = build_decoder(engine.runner, engine.config, None if algo == "AR" else algo,
-                                           bundle.dflash, bundle.weaver, budget, None, "chunk",
-                                           children_per_node or DEFAULT_CHILDREN_PER_NODE)
+                                           bundle.dflash, bundle.weaver, budget, None, "chunk", children)
             if every_text and engine.device.type == "cuda":
                 warm_up(engine, every_text, max_new_tokens, temperature, seed)
             for dataset, texts in prompts.items():

@@ -136,3 +136,25 @@ def test_trees_accept_through_second_siblings(target, algo: str) -> None:
     tree_tokens, tree_steps = decode(tree)
     assert chain_tokens == tree_tokens == reference[:N_TOKENS]
     assert max(chain_steps) <= 5 and len(tree_steps) < len(chain_steps)
+
+
+def test_step_scoring_commits_like_step_and_scores_exactly(target) -> None:
+    """step_scoring emits the greedy tokens as step does; at T = 0 its own tree's expectation is the drafts the
+    step accepted, and another builder scored on the same draft gets its own (different) count."""
+    cfg, model, root = target
+    reference = greedy_reference(model, N_TOKENS + 3 * BLOCK)
+    runner = runner_for(model)
+    drafter = OracleDrafter(reference, len(PROMPT), cfg.hidden_size, demote_every=5)
+    decoder = SpeculativeDecoder(runner, drafter, build_proposer("DDTREE", runner, cfg, None, 16, BLOCK))
+    others = [build_proposer("DFLASH", runner, cfg, None, 1, BLOCK),
+              build_proposer("DDTREE", runner, cfg, None, 16, BLOCK)]
+    tokens = [decoder.prefill(PROMPT, GREEDY, None)]
+    tree_scores, chain_scores = [], []
+    while len(tokens) < N_TOKENS:
+        out, (own, chain, same) = decoder.step_scoring(GREEDY, None, others)
+        assert own == same == len(out) - 1
+        tree_scores.append(own)
+        chain_scores.append(chain)
+        tokens += out
+    assert tokens[:N_TOKENS] == reference[:N_TOKENS]
+    assert max(chain_scores) <= 4 < max(tree_scores)  # the chain stops at each demoted depth, the tree goes on

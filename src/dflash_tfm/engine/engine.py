@@ -17,8 +17,7 @@ import torch
 from dflash_tfm.engine.detokenizer import IncrementalDetokenizer
 from dflash_tfm.engine.model_runner import ModelRunner
 from dflash_tfm.engine.result import GenerationResult, GenerationStats
-from dflash_tfm.engine.decoder_factory import build_decoder, normalize_algorithm
-from dflash_tfm.spec.weaver_tree import DEFAULT_CHILDREN_PER_NODE
+from dflash_tfm.engine.decoder_factory import DEFAULT_CHILDREN_PER_NODE, build_decoder, normalize_algorithm
 from dflash_tfm.engine.sampler import make_generator
 from dflash_tfm.loading.default_model import DEFAULT_BUNDLE
 from dflash_tfm.loading.loader import load_target, parse_dtype
@@ -61,8 +60,8 @@ class Engine:
         max_model_len defaults to min(the model's context, 32768) and sizes the static caches.
         block_size None = the drafter's own block size (a different value is an error: drafters are trained
         for one block size). tfm_children_per_node: children a DFLASH_TFM node publishes when Weaver expands it
-        (default 16; the published system uses 8 — see spec.weaver_tree.DEFAULT_CHILDREN_PER_NODE). With the embedded default target (model_path
-        None), a speculative algorithm without draft_model_path / weaver_path uses the bundle trained for it
+        (default 16; the published system uses 8 — see spec.weaver_tree.DEFAULT_CHILDREN_PER_NODE). With the
+        embedded default target (model_path None), a speculative algorithm without draft_model_path / weaver_path uses the bundle trained for it
         (loading.default_model.DEFAULT_BUNDLE)."""
         self.speculative_algorithm = normalize_algorithm(speculative_algorithm)
         if model_path is None and self.speculative_algorithm is not None:

@@ -107,18 +107,16 @@ class SpeculativeDecoder:
                 self.graphs.run(("verify",), self._verify)
             with t.phase("commit"):
                 self.graphs.run(("commit", sampling), lambda: self._commit(params), advances_state=True)
-                emitted = self._emitted.tolist()  # the one host read per step: which tokens were produced
-        out = emitted[: emitted.index(-1)] if -1 in emitted else emitted
-        self.length = L + len(out)
-        return out
+                return self._take_emitted()  # the one host read per step: which tokens were produced
 
     @torch.inference_mode()
     def step_scoring(self, params: SamplingParams, generator: torch.Generator | None,
                      proposers: list[Proposer]) -> tuple[list[int], list[float]]:
         """:meth:`step` (eager, no graphs), also scoring other tree builders on the same draft: each of
-        ``proposers`` builds and verifies its tree (caches untouched until the commit) and gets the exact
-        expected number of drafts acceptance would take from it (``expected_accepted``). Returns the step's
-        tokens and those expectations (for benchmarks comparing proposers without sampling noise)."""
+        ``proposers`` builds and verifies its tree (caches untouched until the commit), and every tree gets the
+        exact expected number of drafts acceptance would take from it (``expected_accepted``). Returns the
+        step's tokens and the expectations, this decoder's own tree first, then those of ``proposers`` (for
+        benchmarks comparing proposers without sampling noise)."""
         if self.length + self.max_depth + 1 > self.runner.max_len:
             raise ValueError("step_scoring needs a block of room before the end of the cache")
         if not params.greedy:
@@ -126,7 +124,7 @@ class SpeculativeDecoder:
         self._draft(self.runner.bucket(self.length + self.max_depth))
         own, expectations = self.proposer, []
         try:
-            for proposer in proposers:
+            for proposer in [*proposers, own]:  # own last: its verified tree is the one committed
                 self.proposer = proposer
                 self._tree()
                 self._verify()
@@ -135,13 +133,15 @@ class SpeculativeDecoder:
                     self._verified[3], tokens, parents, self._tree_spec.ancestor_mask()[0], params)))
         finally:
             self.proposer = own
-        self._tree()
-        self._verify()
         self._commit(params)
+        return self._take_emitted(), expectations[-1:] + expectations[:-1]
+
+    def _take_emitted(self) -> list[int]:
+        """The tokens the last commit produced (reads them to the host) and the committed length advanced."""
         emitted = self._emitted.tolist()
         out = emitted[: emitted.index(-1)] if -1 in emitted else emitted
         self.length += len(out)
-        return out, expectations
+        return out
 
     # ---- phases: device tensors in, device tensors out -----------------------------------------------
     def _draft(self, kv_len: int) -> None:

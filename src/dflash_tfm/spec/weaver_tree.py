@@ -110,7 +110,8 @@ round_kernel_choice = MeasuredChoice(default="torch")
 @torch.no_grad()
 def build_weaver_tree(
     weaver: Weaver, root_token: torch.Tensor, logits: torch.Tensor, h_dflash: torch.Tensor, h_target: torch.Tensor,
-    budget: int, pool_size: int | None = None, children_per_node: int = DEFAULT_CHILDREN_PER_NODE, implementation: str | None = None,
+    budget: int, pool_size: int | None = None, children_per_node: int = DEFAULT_CHILDREN_PER_NODE,
+    implementation: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Grow a Weaver tree of ``budget`` nodes below ``root_token``.
 
