@@ -63,6 +63,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--budgets", type=int, nargs="+", default=[64])
+    ap.add_argument("--tfm-children-per-node", type=int, nargs="+", default=[16, 8],
+                    help="DFLASH_TFM widths to time (16 = our default, 8 = published)")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--out", default=None)
@@ -89,11 +91,13 @@ def main() -> None:
         weaver_path = Path(tmp) / "weaver.pth"
         write_random_weaver_checkpoint(weaver_path, cfg, variant=1, d_rank=2048, num_heads=16, mlp_dim=2048,
                                        num_layers=1, K=block - 1, pool=512)
-        modes = [("DFLASH", 1)] + [(a, b) for b in args.budgets for a in ("DDTREE", "DFLASH_TFM")]
-        for algo, budget in modes:
-            proposer = build_proposer(algo, runner, cfg, weaver_path, budget, block)
+        modes = [("DFLASH", 1, 0)] + [("DDTREE", b, 0) for b in args.budgets]
+        modes += [("DFLASH_TFM", b, c) for b in args.budgets for c in args.tfm_children_per_node]
+        for algo, budget, children in modes:
+            proposer = build_proposer(algo, runner, cfg, weaver_path, budget, block,
+                                      **({"children_per_node": children} if children else {}))
             decoder = SpeculativeDecoder(runner, drafter, proposer)
-            name = algo if algo == "DFLASH" else f"{algo} {budget}"
+            name = algo if algo == "DFLASH" else f"{algo} {budget}" + (f" c{children}" if children else "")
             r = measure(decoder, prompt, greedy, args.warmup, args.steps)
             r["nodes"] = proposer.num_nodes
             results["modes"][name] = r

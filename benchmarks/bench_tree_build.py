@@ -7,7 +7,7 @@ pools, the 16-row prefix encode and every batched expansion round. The target on
 lm_head, so a light stand-in with random [248320, 5120] bf16 tensors replaces the 27B model.
 Prints a markdown table of median milliseconds (CUDA events, after warm-up).
 
-    python benchmarks/bench_tree_build.py [--budgets 16 64 128] [--reps 50] [--profile]
+    python benchmarks/bench_tree_build.py [--budgets 16 64 128] [--children-per-node 16 8] [--reps 50] [--profile]
 
 --profile also prints the kernels of one Weaver build at the largest budget (eager; the graph replays the same kernels).
 """
@@ -38,6 +38,8 @@ K = BLOCK - 1
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--budgets", type=int, nargs="+", default=[16, 64, 128])
+    parser.add_argument("--children-per-node", type=int, nargs="+", default=[16, 8],
+                        help="Weaver children published per expanded node (16 = our default, 8 = published)")
     parser.add_argument("--reps", type=int, default=50)
     parser.add_argument("--variant", type=int, default=1, choices=(1, 2, 3))
     parser.add_argument("--profile", action="store_true", help="kernel table of a Weaver build")
@@ -62,26 +64,28 @@ def main() -> None:
     h_dflash = torch.randn(K, HIDDEN, device=device, dtype=dtype)
     h_target = torch.randn(HIDDEN, device=device, dtype=dtype)
 
-    builders: list[tuple[str, int, Callable[[], object]]] = [("chain", K, lambda: build_chain(root, logits))]
+    builders: list[tuple[str, int, int, Callable[[], object]]] = [("chain", K, 0, lambda: build_chain(root, logits))]
     for budget in args.budgets:
-        builders.append(("ddtree", budget, lambda b=budget: build_ddtree(root, logits, b)))
-        for impl in ROUND_IMPLEMENTATIONS:
-            builders.append((f"weaver ({impl})", budget, lambda b=budget, i=impl: build_weaver_tree(
-                weaver, root, logits, h_dflash, h_target, b, implementation=i)))
+        builders.append(("ddtree", budget, 0, lambda b=budget: build_ddtree(root, logits, b)))
+        for children in args.children_per_node:
+            for impl in ROUND_IMPLEMENTATIONS:
+                builders.append((f"weaver ({impl})", budget, children, lambda b=budget, c=children, i=impl:
+                                 build_weaver_tree(weaver, root, logits, h_dflash, h_target, b,
+                                                   children_per_node=c, implementation=i)))
 
     print(f"tree build on {torch.cuda.get_device_name()}, vocab {VOCAB}, K {K}, Weaver variant {args.variant} "
           f"(d_rank 2048, 16 heads, mlp 2048, 1 block, pool 512), bf16 Weaver, fp32 logits; median of {args.reps}\n")
-    print("| builder | budget | Weaver rounds × width | eager ms | CUDA graph ms |")
-    print("|---|---:|---:|---:|---:|")
-    for name, budget, fn in builders:
+    print("| builder | budget | children per node | Weaver rounds × width | eager ms | CUDA graph ms |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for name, budget, children, fn in builders:
         eager = time_ms(fn, args.reps, warmup=5)
         try:
             replay = f"{time_ms(capture(fn, warmups=3)[0].replay, args.reps, warmup=5):.3f}"
         except RuntimeError as e:  # report, and keep timing the other builders
             replay = f"capture failed: {str(e).splitlines()[0][:60]}"
-        width = round_width(budget, 8)
-        rounds = f"{-(-budget // width)} × {width}" if name.startswith("weaver") else "—"
-        print(f"| {name} | {budget} | {rounds} | {eager:.3f} | {replay} |")
+        width = round_width(budget, children) if children else 0
+        rounds = f"{-(-budget // width)} × {width}" if children else "—"
+        print(f"| {name} | {budget} | {children or '—'} | {rounds} | {eager:.3f} | {replay} |")
     report_choices({}, fused_step_row_matmul=rows_matmul_choice)  # the tiles the triton_fused builds timed
     if args.profile:
         budget = max(args.budgets)
@@ -89,7 +93,7 @@ def main() -> None:
         for impl in ROUND_IMPLEMENTATIONS:
             print_kernel_table(lambda i=impl: build_weaver_tree(weaver, root, logits, h_dflash, h_target, budget,
                                                                 implementation=i),
-                               f"Weaver tree build, budget {budget}, {impl}")
+                               f"Weaver tree build, budget {budget}, default width, {impl}")
 
 
 if __name__ == "__main__":
