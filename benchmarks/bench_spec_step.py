@@ -8,7 +8,9 @@ docs/TRAINING.md). For each algorithm, `SpeculativeDecoder.step` runs exactly as
 from the decoder's own CUDA events, the whole step from the host clock. Medians over --steps steps after
 warm-up, next to the AR decode step at the same context.
 
-    python -m benchmarks.bench_spec_step --out $OUT/spec_step.json
+    python -m benchmarks.bench_spec_step --out $OUT/spec_step.json [--profile]
+
+--profile also prints, per mode, the kernels of each phase of a few eager steps (the graphs replay the same kernels).
 """
 from __future__ import annotations
 
@@ -22,13 +24,14 @@ from pathlib import Path
 import torch
 
 from benchmarks.bench_dflash_draft import QWEN3_6_27B_DFLASH
+from benchmarks.kernel_profile import print_phase_tables
 from benchmarks.timing import report_choices, time_ms
 from dflash_tfm.config import ModelConfig
 from dflash_tfm.engine.decoder_factory import build_proposer
 from dflash_tfm.engine.model_runner import ModelRunner
 from dflash_tfm.engine.speculative import SpeculativeDecoder
 from dflash_tfm.kernels.tree_growth.weaver_step import rows_matmul_choice
-from dflash_tfm.layers.linear import projection_choice
+from dflash_tfm.layers.linear import projection_choice, skinny_projections
 from dflash_tfm.loading.loader import build_model
 from dflash_tfm.models.presets import QWEN3_6_27B
 from dflash_tfm.models.random_init import init_random_
@@ -58,6 +61,21 @@ def measure(decoder: SpeculativeDecoder, prompt: list[int], params: SamplingPara
     return out
 
 
+def profile_phases(decoder: SpeculativeDecoder, params: SamplingParams, name: str, steps: int = 3) -> list[int]:
+    """Kernel tables of each phase of `steps` eager steps, called as `SpeculativeDecoder.step` calls them;
+    returns the tokens those steps produced (the decode goes on from there)."""
+    emitted: list[int] = []
+
+    def commit() -> None:
+        decoder._commit(params)
+        emitted.extend(decoder._take_emitted())
+    draft_len = lambda: decoder.runner.bucket(decoder.length + decoder.max_depth)  # noqa: E731
+    with skinny_projections():
+        print_phase_tables([("draft", lambda: decoder._draft(draft_len())), ("tree", decoder._tree),
+                            ("verify", decoder._verify), ("commit", commit)], name, steps)
+    return emitted
+
+
 @torch.inference_mode()
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -68,6 +86,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--profile", action="store_true", help="kernel tables of each phase, per mode")
     args = ap.parse_args()
     device, dtype = torch.device("cuda"), torch.bfloat16
     cfg = ModelConfig.from_dict(QWEN3_6_27B)
@@ -102,6 +121,8 @@ def main() -> None:
             r["nodes"] = proposer.num_nodes
             results["modes"][name] = r
             print(name, {k: round(v, 3) for k, v in r.items()}, flush=True)
+            if args.profile:
+                profile_phases(decoder, greedy, name)
             del decoder
             torch.cuda.empty_cache()
 
