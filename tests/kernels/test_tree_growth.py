@@ -13,7 +13,7 @@ from dflash_tfm.spec import weaver_tree
 from dflash_tfm.spec.weaver_tree import build_weaver_tree
 
 from ..spec.test_weaver import BLOCK, HIDDEN, K, VOCAB, tiny_target
-from .test_tree_common import rel_err, triton_device  # noqa: F401  (fixture)
+from .test_tree_common import Always, rel_err, triton_device  # noqa: F401  (fixture)
 
 
 def distinct_ids(rows: int, pool: int, vocab: int, gen: torch.Generator) -> torch.Tensor:
@@ -28,8 +28,11 @@ def round_state(n: int, depth_max: int, seed: int, device: str) -> dict[str, tor
     return {"depths": depths.to(device), "scores": (-torch.rand(n, generator=gen) * 5).to(device)}
 
 
+@pytest.mark.parametrize("tile", list(weaver_round.RESCORE_TILES))
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-def test_triton_rescore_pool_matches_twin(dtype: torch.dtype, tol: float, triton_device: str) -> None:
+def test_triton_rescore_pool_matches_twin(dtype: torch.dtype, tol: float, tile: str, triton_device: str,
+                                          monkeypatch) -> None:
+    monkeypatch.setattr(weaver_round.rescore_choice, "choices", Always(tile))
     gen = torch.Generator().manual_seed(0)
     V, D, Kd, P, n = 300, 200, 6, 40, 20  # D and P not multiples of the blocks
     w_res = torch.randn(V, D, generator=gen).to(triton_device, dtype)
@@ -44,8 +47,10 @@ def test_triton_rescore_pool_matches_twin(dtype: torch.dtype, tol: float, triton
     assert rel_err(got, want) <= tol
 
 
+@pytest.mark.parametrize("warps", list(weaver_round.PUBLISH_WARPS))
 @pytest.mark.parametrize("children", [1, 4, 8, 16])
-def test_triton_publish_children_matches_twin(children: int, triton_device: str) -> None:
+def test_triton_publish_children_matches_twin(children: int, warps: str, triton_device: str, monkeypatch) -> None:
+    monkeypatch.setattr(weaver_round.publish_choice, "choices", Always(warps))
     gen = torch.Generator().manual_seed(children)
     Kd, P, n, V = 5, 37, 16, 100
     pool_ids = distinct_ids(Kd, P, V, gen).to(triton_device)
@@ -120,10 +125,14 @@ def test_triton_weaver_tree_with_kernels_equals_torch_builder(budget: int, imple
 
 
 @pytest.mark.gpu
-def test_round_kernels_match_twins_at_published_shapes() -> None:
-    """Vocabulary 248320, d_rank 2048, pool 512, K 15, a 65-node tree, W = 4 nodes, bf16 W_res (issue 4's shapes)."""
+@pytest.mark.parametrize("rescore_tile, publish_warps", zip(weaver_round.RESCORE_TILES, ["default", "w1", "w2", "w1"]))
+def test_round_kernels_match_twins_at_published_shapes(rescore_tile: str, publish_warps: str, monkeypatch) -> None:
+    """Vocabulary 248320, d_rank 2048, pool 512, K 15, a 65-node tree, W = 4 nodes, bf16 W_res (issue 4's shapes),
+    every timed launch shape of the re-scoring and the publishing."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU (run scripts/gpu_check.sh on the device machine)")
+    monkeypatch.setattr(weaver_round.rescore_choice, "choices", Always(rescore_tile))
+    monkeypatch.setattr(weaver_round.publish_choice, "choices", Always(publish_warps))
     gen = torch.Generator().manual_seed(0)
     V, D, Kd, P, n, c = 248320, 2048, 15, 512, 65, 8
     w_res = (torch.randn(V, D, generator=gen) * 0.02).to("cuda", torch.bfloat16)

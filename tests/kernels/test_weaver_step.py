@@ -13,7 +13,7 @@ from dflash_tfm.spec.weaver import load_weaver
 from dflash_tfm.spec.weaver_fixtures import write_random_weaver_checkpoint
 
 from ..spec.test_weaver import BLOCK, HIDDEN, K, tiny_target
-from .test_tree_common import rel_err, triton_device  # noqa: F401  (fixture)
+from .test_tree_common import Always, rel_err, triton_device  # noqa: F401  (fixture)
 
 
 def random_tree(n: int, leaves: int, max_depth: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -85,10 +85,13 @@ def test_weaver_step_rejects_too_many_nodes(tmp_path) -> None:
 
 
 @pytest.mark.gpu
-def test_weaver_step_matches_torch_step_at_published_shapes(tmp_path) -> None:
-    """d_rank 2048, 16 heads, MLP 2048, K 15, a 65-node tree, W = 4, bf16 (issue 4's Weaver)."""
+@pytest.mark.parametrize("tile", list(weaver_step.ROW_TILES))
+def test_weaver_step_matches_torch_step_at_published_shapes(tile: str, tmp_path, monkeypatch) -> None:
+    """d_rank 2048, 16 heads, MLP 2048, K 15, a 65-node tree, W = 4, bf16 (issue 4's Weaver), every timed tile
+    of the projections; three calls in a row give equal rows (the K-split tiles leave their counters zeroed)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU (run scripts/gpu_check.sh on the device machine)")
+    monkeypatch.setattr(weaver_step.rows_matmul_choice, "choices", Always(tile))
     model, cfg = tiny_target(5120)
     path = tmp_path / "w.pth"
     write_random_weaver_checkpoint(path, cfg, d_rank=2048, num_heads=16, mlp_dim=2048)
@@ -96,9 +99,10 @@ def test_weaver_step_matches_torch_step_at_published_shapes(tmp_path) -> None:
     cache, nodes, tokens, depths, ancestors = step_case(weaver, "cuda", seed=0, n=65, W=4)
     want_cache, got_cache = clone(cache), clone(cache)
     want = weaver.step(want_cache, nodes, tokens[nodes], depths[nodes], ancestors[nodes])
-    rows = weaver_step.weaver_step_rows(weaver, got_cache, nodes, tokens, depths, ancestors)
-    assert rel_err(weaver.out_norm(rows).float(), want.float()) <= 2e-2
+    runs = [weaver_step.weaver_step_rows(weaver, got_cache, nodes, tokens, depths, ancestors) for _ in range(3)]
+    assert rel_err(weaver.out_norm(runs[0]).float(), want.float()) <= 2e-2
     assert rel_err(got_cache.k.float(), want_cache.k.float()) <= 2e-2
+    assert all(torch.equal(run, runs[0]) for run in runs[1:])
 
 
 @pytest.mark.skipif(TRITON_INTERPRETED, reason="the interpreter replaces the kernels: nothing to compile")
@@ -111,7 +115,8 @@ def test_kernels_compile_for_hopper() -> None:
 
     bf, i64 = "*bf16", "*i64"
     matmul = dict(x=bf, res=bf, x_out=bf, tokens=i64, nodes=i64, depths=i64, pos_emb=bf, norm_w=bf, norm_b=bf,
-                  w=bf, bias=bf, y=bf, M="i32", N="i32", K="i32", KPOS="i32", eps="fp32")
+                  w=bf, bias=bf, y=bf, partial="*fp32", arrivals="*i32", M="i32", N="i32", K="i32", KPOS="i32",
+                  K_SPLIT="i32", eps="fp32")
     attention = dict(qkv=bf, cache_k=bf, cache_v=bf, cos="*fp32", sin="*fp32", nodes=i64, depths=i64,
                      ancestors="*u8", out=bf, P="i32", NSLOTS="i32", H="i32", KPOS="i32", scale="fp32")
     rescore = dict(w_res=bf, query=bf, norm_w=bf, norm_b=bf, pool_ids=i64, pool_logits="*fp32", depths=i64,
@@ -120,7 +125,7 @@ def test_kernels_compile_for_hopper() -> None:
     step_flags += [dict(GATHER=False, POS=False, NORM=n, ACT=a, HAS_BIAS=b, RESIDUAL=r)
                    for n, a, b, r in ((False, 0, False, True), (True, 1, True, False), (True, 2, True, False),
                                       (False, 0, True, True))]
-    cases = [(weaver_step._rows_matmul_kernel, matmul, dict(f, PRECISION="tf32", BM=16, BN=32, BK=128))
+    cases = [(weaver_step._rows_matmul_kernel, matmul, dict(f, PRECISION="tf32", BM=16, BN=32, BK=128, SPLIT=1))
              for f in step_flags]
     cases += [(weaver_step._node_attention_kernel, attention, dict(ROTARY=r, D=128, BT=32)) for r in (True, False)]
     cases += [(weaver_round._rescore_pool_kernel, rescore, dict(NORM=n, BP=16, BD=256)) for n in (True, False)]
@@ -135,34 +140,27 @@ def test_kernels_compile_for_hopper() -> None:
                                                                  BN=triton.next_power_of_2(n)))
                   for n, w in ((65, 4), (129, 8))]
     options = [{"num_warps": 4}] * len(cases)
-    for tile in filter(None, weaver_step.ROW_TILES.values()):  # the timed tiles, on one set of flags
-        BN, BK, warps, stages = tile
-        constexprs = dict(step_flags[3], PRECISION="tf32", BM=16, BN=BN, BK=BK)
-        cases.append((weaver_step._rows_matmul_kernel, matmul, constexprs))
-        options.append({"num_warps": warps, "num_stages": stages})
+    for BP, warps in weaver_round.RESCORE_TILES.values():  # the timed launch shapes of re-scoring and publishing
+        cases.append((weaver_round._rescore_pool_kernel, rescore, dict(NORM=True, BP=BP, BD=256)))
+        options.append({"num_warps": warps})
+    for warps in weaver_round.PUBLISH_WARPS.values():
+        cases.append((weaver_round._publish_children_kernel, publish, dict(C=16, BP=512, FLOOR=-1e30)))
+        options.append({"num_warps": warps})
+    for tile in filter(None, weaver_step.ROW_TILES.values()):  # the timed tiles, on SwiGLU's flags (+ residual)
+        BN, BK, warps, stages, split = tile
+        for flags in (step_flags[3], step_flags[2]):
+            constexprs = dict(flags, PRECISION="tf32", BM=16, BN=BN, BK=BK, SPLIT=split)
+            cases.append((weaver_step._rows_matmul_kernel, matmul, constexprs))
+            options.append({"num_warps": warps, "num_stages": stages})
     for (fn, signature, constexprs), option in zip(cases, options, strict=True):
         source = ASTSource(fn=fn, signature=signature | dict.fromkeys(constexprs, "constexpr"), constexprs=constexprs)
         assert triton.compile(source, target=GPUTarget("cuda", 90, 32), options=option).asm["cubin"]
 
 
-class _Always(dict):
-    """A choice table that answers `tile` for every key: forces one tile where the choice would time them."""
-
-    def __init__(self, tile: str) -> None:
-        super().__init__()
-        self.tile = tile
-
-    def __contains__(self, key: object) -> bool:
-        return True
-
-    def __getitem__(self, key: object) -> str:
-        return self.tile
-
-
 @pytest.mark.parametrize("tile", [t for t in weaver_step.ROW_TILES if t != "default"])
 def test_triton_weaver_step_every_timed_tile_matches_torch_step(tile: str, triton_device: str, tmp_path,
                                                                  monkeypatch) -> None:
-    monkeypatch.setattr(weaver_step.rows_matmul_choice, "choices", _Always(tile))
+    monkeypatch.setattr(weaver_step.rows_matmul_choice, "choices", Always(tile))
     model, cfg = tiny_target()
     path = tmp_path / "w.pth"
     write_random_weaver_checkpoint(path, cfg, variant=1, num_layers=2, seed=3)

@@ -26,11 +26,19 @@ import triton.language as tl
 
 from dflash_tfm.kernels import use_triton
 from dflash_tfm.kernels.tree_growth import reference
+from dflash_tfm.layers.measured_choice import MeasuredChoice
 
 if TYPE_CHECKING:
     from dflash_tfm.spec.weaver import WeaverNorm
 
 LOGPROB_FLOOR = reference.LOGPROB_FLOOR
+# Launch shapes timed per tensor shape (session 13's H200 profile of a budget-64 tree: re-scoring 9 µs and
+# publishing 9 µs per round, both latency-bound — 128 programs of 16 pool rows, and W programs of 4 warps whose
+# 16 arg-max passes each cross warps through shared memory).
+RESCORE_TILES = {"default": (16, 4), "bp8": (8, 4), "bp4 w2": (4, 2), "bp32 w8": (32, 8)}  # (pool rows, warps)
+PUBLISH_WARPS = {"default": 4, "w1": 1, "w2": 2}
+rescore_choice = MeasuredChoice(default="default")
+publish_choice = MeasuredChoice(default="default")
 
 
 @triton.jit
@@ -128,11 +136,18 @@ def rescore_pool(w_res: torch.Tensor, query: torch.Tensor, pool_ids: torch.Tenso
     from dflash_tfm.spec.weaver import NORM_EPS
 
     out = torch.empty(W, P, dtype=torch.float32, device=query.device)
-    BP = 16
     weight, bias = (norm.weight, norm.bias) if norm is not None else (w_res, w_res)
-    _rescore_pool_kernel[(W, triton.cdiv(P, BP))](
-        w_res, query.contiguous(), weight, bias, pool_ids, pool_logits, depths, nodes, out, P, D, K, NORM_EPS,
-        NORM=norm is not None, BP=BP, BD=min(256, triton.next_power_of_2(D)), num_warps=4)
+    query = query.contiguous()
+
+    def launch(tile: str) -> None:  # writes `out` afresh from unchanged inputs: timing may repeat it
+        BP, warps = RESCORE_TILES[tile]
+        _rescore_pool_kernel[(W, triton.cdiv(P, BP))](
+            w_res, query, weight, bias, pool_ids, pool_logits, depths, nodes, out, P, D, K, NORM_EPS,
+            NORM=norm is not None, BP=BP, BD=min(256, triton.next_power_of_2(D)), num_warps=warps)
+
+    key = (W, P, D, K, w_res.dtype, norm is not None)
+    launch(rescore_choice.pick(key, lambda: {t: (lambda t=t: launch(t)) for t in RESCORE_TILES},
+                               can_time=query.is_cuda))
     return out
 
 
@@ -145,9 +160,16 @@ def publish_children(logits: torch.Tensor, pool_ids: torch.Tensor, depths: torch
         return
     W, P = logits.shape
     K = pool_ids.shape[0]
-    _publish_children_kernel[(W,)](
-        logits, pool_ids, depths, scores, frontier_score, frontier_token, nodes, P, K,
-        C=frontier_score.shape[1], BP=triton.next_power_of_2(P), FLOOR=LOGPROB_FLOOR, num_warps=4)
+
+    def launch(warps: str) -> None:  # rewrites the same frontier rows from unchanged inputs: timing may repeat it
+        _publish_children_kernel[(W,)](
+            logits, pool_ids, depths, scores, frontier_score, frontier_token, nodes, P, K,
+            C=frontier_score.shape[1], BP=triton.next_power_of_2(P), FLOOR=LOGPROB_FLOOR,
+            num_warps=PUBLISH_WARPS[warps])
+
+    key = (W, P, K, frontier_score.shape[1])
+    launch(publish_choice.pick(key, lambda: {w: (lambda w=w: launch(w)) for w in PUBLISH_WARPS},
+                               can_time=logits.is_cuda))
 
 
 def place_nodes(flat_score: torch.Tensor, flat_token: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor,
