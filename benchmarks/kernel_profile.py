@@ -19,7 +19,8 @@ def _profile_into(totals: KernelTotals, fn: Callable[[], object]) -> None:
         fn()
         sync()
     for evt in prof.events():
-        if evt.device_type == torch.autograd.DeviceType.CUDA if cuda else evt.cpu_parent is None:
+        kernel = evt.device_type == torch.autograd.DeviceType.CUDA if cuda else evt.cpu_parent is None
+        if kernel:
             totals[evt.name][0] += 1
             totals[evt.name][1] += evt.device_time_total if cuda else evt.cpu_time_total
 
