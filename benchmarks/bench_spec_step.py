@@ -59,6 +59,14 @@ def measure(decoder: SpeculativeDecoder, prompt: list[int], params: SamplingPara
     out = {p: statistics.median(r[p] for r in rows) for p in PHASES}
     out["step_ms"] = statistics.median(walls)
     out["tokens_per_step"] = tokens / steps
+    # Each pure phase's graph replayed back to back on its own (same inputs, so the same work): a phase that
+    # takes longer inside the step than alone loses time to what surrounds it (launch latency after the
+    # step's host read, caches), not to its own kernels.
+    keys = {"draft": ("draft", decoder.runner.bucket(decoder.length + decoder.max_depth)), "tree": ("tree",),
+            "verify": ("verify",)}
+    for phase, key in keys.items():
+        if key in decoder.graphs:
+            out[f"{phase}_alone"] = time_ms(lambda key=key: decoder.graphs.run(key, lambda: None), 20, warmup=3)
     return out
 
 
@@ -134,6 +142,10 @@ def main() -> None:
         extra = (r["draft"] + r["tree"] + r["commit"]) / r["verify"]
         print(f"| {name} | {r['nodes']} | {r['draft']:.2f} | {r['tree']:.2f} | {r['verify']:.2f} | {r['commit']:.2f} "
               f"| {r['step_ms']:.2f} | {100 * extra:.0f}% |")
+    print("\nEach pure phase's graph replayed alone, back to back (ms): | mode | draft | tree | verify |")
+    for name, r in results["modes"].items():
+        print(f"| {name} | " + " | ".join(f"{r.get(p + '_alone', float('nan')):.2f}" for p in ("draft", "tree", "verify"))
+              + " |")
     report_choices(results, projections=projection_choice, weaver_round=round_kernel_choice,
                    fused_step_row_matmul=rows_matmul_choice, rescore_pool=rescore_choice,
                    publish_children=publish_choice, draft_attention=block_attention_choice)

@@ -63,11 +63,11 @@ def main() -> None:
             parents = random_parents(n, "best_first", seed=n, max_depth=15).to(device)
             tokens = torch.randint(0, cfg.vocab_size, (n,), device=device)
             tree = TreeSpec.build(tokens.view(1, -1), parents.view(1, -1), cache_len=L)
-            saved = {}
+            saved = []  # the captured pass's commit context
 
             def verify():
-                hidden, _, s = model.verify(tree, runner.cache, L, gdn_kernel=args.kernel)
-                saved.update(s)
+                hidden, _, context = model.verify(tree, runner.cache, L, gdn_kernel=args.kernel)
+                saved[:] = [context]
                 return model.logits(hidden[0])
 
             graph, _ = capture(verify)
@@ -75,7 +75,7 @@ def main() -> None:
             depth = tree.depths[0]
             accepted, path_idx = first_child_path(parents)
             snapshot = [(s.clone(), w.clone()) for s, w in runner.cache.gdn.values()]
-            cgraph, _ = capture(lambda: model.commit(runner.cache, L, tree, saved, accepted, path_idx))
+            cgraph, _ = capture(lambda: model.commit(runner.cache, L, tree, saved[0], accepted, path_idx))
             commit_ms = time_ms(cgraph.replay, args.iters)
             for (s, w), (s0, w0) in zip(runner.cache.gdn.values(), snapshot):
                 s.copy_(s0)

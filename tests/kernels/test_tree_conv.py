@@ -126,3 +126,22 @@ def test_triton_commit_in_place_equals_a_new_window(triton_device: str) -> None:
         window = win.clone()
         assert tree_conv_commit(x, parents, acc, window, out=window) is window
         assert torch.equal(window, expect), nodes
+
+
+def test_triton_keep_input_copies_x_and_stacked_commit_shares_trees(triton_device: str) -> None:
+    """keep_input receives x while the output is unchanged; a commit over two stacked copies of the batch with
+    P = B trees (row b follows tree b % P) equals committing each copy with its own trees."""
+    (x, w, win), parents = make_case(2, 21, 24, "best_first", triton_device)
+    parents = parents.to(triton_device)
+    strided = torch.cat([x, x], dim=-1)[..., :24]  # a strided view, as the model's split projection gives
+    kept = torch.empty_like(x)
+    y = tree_causal_conv1d(strided, w, parents, win, keep_input=kept)
+    assert torch.equal(kept, x) and torch.equal(y, tree_causal_conv1d(x, w, parents, win))
+    acc = accepted_mask(parents.cpu(), [20, 7]).to(triton_device)
+    stacked = tree_conv_commit(torch.cat([x, 2 * x]), parents, acc, torch.cat([win, -win]))
+    expect = torch.cat([tree_conv_commit(x, parents, acc, win), tree_conv_commit(2 * x, parents, acc, -win)])
+    assert torch.equal(stacked, expect)
+    with pytest.raises(ValueError, match="keep_input"):
+        tree_causal_conv1d(x, w, parents, win, keep_input=kept[:, :3])
+    with pytest.raises(ValueError, match="parents"):
+        tree_conv_commit(torch.cat([x, x[:1]]), parents, acc, torch.cat([win, win[:1]]))  # 3 rows, 2 trees

@@ -291,3 +291,52 @@ def test_triton_commit_in_place_equals_a_new_state(kernel: str, triton_device: s
     state = ctx.initial_state
     assert gdn_tree_commit(ctx, acc, out=state) is state
     assert torch.equal(state, expect)
+
+
+@pytest.mark.parametrize("kernel", ["chunk", "recurrent"])
+def test_commit_with_fewer_paths_than_rows_repeats_them(kernel: str, triton_device: str) -> None:
+    """accepted with P rows for a batch of 2P (two layers stacked along the batch, as the model's commit does):
+    row b folds path b % P, the same states as repeating the paths."""
+    parents = torch.stack([random_parents(40, "best_first", seed=1), random_parents(40, "random", seed=2)] * 2)
+    x = make_inputs(4, 40, 1, 3, 16, 16, seed=23, device=triton_device)
+    _, ctx = gdn_tree_verify(**x, parents=parents.to(triton_device), kernel=kernel)
+    paths = accepted_mask(parents[:2], [39, 27]).to(triton_device)
+    assert torch.equal(gdn_tree_commit(ctx, paths), gdn_tree_commit(ctx, paths.repeat(2, 1)))
+    with pytest.raises(ValueError, match="multiple of P"):
+        gdn_tree_commit(ctx, paths[:, None])
+
+
+@pytest.mark.skipif(TRITON_INTERPRETED, reason="the interpreter replaces the kernels: nothing to compile")
+def test_fold_kernel_compiles_for_hopper() -> None:
+    """The fold's loop runs to a bound it loads (the path length): Triton's sm_90 compiler and ptxas accept it
+    (no GPU needed; the interpreter tests check the numbers)."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from dflash_tfm.kernels.gdn.tree_commit import _gdn_tree_fold_kernel
+
+    f32 = "*fp32"
+    signature = dict(k="*bf16", u=f32, G=f32, accepted="*u8", S0=f32, out=f32, N="i32", HK="i32", R="i32",
+                     PATHS="i32", sk_b="i32", sk_n="i32", sk_h="i32", ss_b="i32", ss_h="i32", ss_k="i32")
+    constants = dict(DK=128, DV=128, BK=128, BV=32, BP=16, NPOW=128)
+    source = ASTSource(fn=_gdn_tree_fold_kernel, signature=signature | dict.fromkeys(constants, "constexpr"),
+                       constexprs=constants)
+    assert triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["cubin"]
+
+
+def test_verify_writes_the_context_into_given_buffers(triton_device: str) -> None:
+    """u_out / G_out (slices of a layer-stacked buffer, as the model passes) receive exactly the context the
+    verify would otherwise allocate; the recurrent kernel refuses them."""
+    x = make_inputs(1, 37, 1, 3, 16, 16, seed=29, device=triton_device)
+    parents = trees(1, 37, "best_first").to(triton_device)
+    o, ctx = gdn_tree_verify(**x, parents=parents)
+    u_stack = torch.full((2, 1, 37, 3, 16), float("nan"), device=triton_device)
+    G_stack = torch.full((2, 1, 37, 3), float("nan"), device=triton_device)
+    o_out, ctx_out = gdn_tree_verify(**x, parents=parents, u_out=u_stack[1], G_out=G_stack[1])
+    assert ctx_out.u.data_ptr() == u_stack[1].data_ptr() and ctx_out.G.data_ptr() == G_stack[1].data_ptr()
+    assert torch.equal(o_out, o) and torch.equal(u_stack[1], ctx.u) and torch.equal(G_stack[1], ctx.G)
+    with pytest.raises(ValueError, match="u_out must be"):
+        gdn_tree_verify(**x, parents=parents, u_out=u_stack[1, :, :5], G_out=G_stack[1])
+    with pytest.raises(ValueError, match="together"):
+        gdn_tree_verify(**x, parents=parents, kernel="recurrent", u_out=u_stack[1], G_out=G_stack[1])

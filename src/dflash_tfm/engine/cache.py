@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from dflash_tfm.config import FULL_ATTENTION, ModelConfig
+from dflash_tfm.layers.gated_deltanet import GDNCommitStacks
 
 
 class ModelCache:
@@ -19,6 +20,7 @@ class ModelCache:
 
     def __init__(self, cfg: ModelConfig, max_len: int, batch: int, dtype: torch.dtype, device: torch.device) -> None:
         self.max_len = max_len
+        self.config = cfg
         self.attention_layers = [i for i, t in enumerate(cfg.layer_types) if t == FULL_ATTENTION]
         self.gdn_layers = [i for i, t in enumerate(cfg.layer_types) if t != FULL_ATTENTION]
         kv_shape = (len(self.attention_layers), batch, max_len, cfg.num_kv_heads, cfg.head_dim)
@@ -33,7 +35,16 @@ class ModelCache:
             self.states = self.windows = torch.zeros(0, batch, device=device)
         self._index_layers()
 
+    def gdn_commit_stacks(self, nodes: int) -> GDNCommitStacks:
+        """The buffers a verify pass over `nodes` tree nodes writes its GDN commit context into: allocated on
+        first use per tree size, then reused (static addresses for the CUDA graphs that write and read them)."""
+        if nodes not in self._commit_stacks:
+            self._commit_stacks[nodes] = GDNCommitStacks.allocate(
+                self.config, self.gdn_layers, self.states.shape[1], nodes, self.windows.dtype, self.states.device)
+        return self._commit_stacks[nodes]
+
     def _index_layers(self) -> None:
+        self._commit_stacks: dict[int, GDNCommitStacks] = {}
         self.attention = {i: (self.k[j], self.v[j]) for j, i in enumerate(self.attention_layers)}
         self.gdn = {i: (self.states[j], self.windows[j]) for j, i in enumerate(self.gdn_layers)}
 
@@ -46,12 +57,12 @@ class ModelCache:
     def row(self, b: int) -> "ModelCache":
         """A batch-1 view of batch row ``b``: reads and writes through it land in this cache's buffers."""
         view = object.__new__(ModelCache)
-        view.max_len = self.max_len
+        view.max_len, view.config = self.max_len, self.config
         view.attention_layers, view.gdn_layers = self.attention_layers, self.gdn_layers
         view.k, view.v = self.k[:, b : b + 1], self.v[:, b : b + 1]
         view.states, view.windows = self.states[:, b : b + 1], self.windows[:, b : b + 1]
         view._index_layers()
         return view
 
-    def nbytes(self) -> int:
+    def nbytes(self) -> int:  # the caches proper; commit stacks are verify scratch
         return sum(t.numel() * t.element_size() for t in (self.k, self.v, self.states, self.windows))

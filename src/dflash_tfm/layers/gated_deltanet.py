@@ -8,6 +8,8 @@ pure function, `gdn_inputs`, fused by inductor on CUDA.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -69,6 +71,35 @@ def gdn_inputs(
     return q, k, v, z, beta, g, new_window
 
 
+@dataclass(frozen=True)
+class GDNCommitStacks:
+    """Every GDN layer's commit context of one verify pass over N tree nodes, layer-stacked: the conv inputs
+    `mixed [Lg, B, N, C]`, the solved rows `u [Lg, B, N, HV, dv]` fp32 and path log-decays `G [Lg, B, N, HV]`
+    fp32. Each layer's verify writes its slice in place (the kernels store there instead of into new tensors),
+    so the commit shifts every conv window and folds every state in one launch each, without the copies that
+    stacking per-layer outputs would take (~0.1 ms at Qwen3.6-27B scale). `slot` maps decoder layer index to
+    stack position."""
+
+    mixed: torch.Tensor
+    u: torch.Tensor
+    G: torch.Tensor
+    slot: dict[int, int]
+
+    @classmethod
+    def allocate(cls, cfg: ModelConfig, layers: list[int], batch: int, nodes: int, dtype: torch.dtype,
+                 device: torch.device) -> "GDNCommitStacks":
+        L, hv, f32 = len(layers), cfg.linear_num_value_heads, torch.float32
+        return cls(mixed=torch.empty(L, batch, nodes, cfg.gdn_conv_dim, dtype=dtype, device=device),
+                   u=torch.empty(L, batch, nodes, hv, cfg.linear_value_head_dim, dtype=f32, device=device),
+                   G=torch.empty(L, batch, nodes, hv, dtype=f32, device=device),
+                   slot={layer: j for j, layer in enumerate(layers)})
+
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Decoder layer i's slices (mixed, u, G)."""
+        j = self.slot[i]
+        return self.mixed[j], self.u[j], self.G[j]
+
+
 class GatedDeltaNet(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -119,15 +150,19 @@ class GatedDeltaNet(nn.Module):
         parents: torch.Tensor,
         ancestors: torch.Tensor,
         kernel: str = "chunk",
+        keep: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, GDNTreeContext]]:
         """Outputs of all tree nodes (their projections proj [B, N, *]; parents [B, N], shared ancestor bitsets)
-        from the committed state and conv window, which are only read. Returns what `commit` needs."""
+        from the committed state and conv window, which are only read. Returns what `commit` needs; `keep`
+        (this layer's `GDNCommitStacks.layer` slices, chunk kernel) receives it in place."""
         mixed, z, beta, g = fused_split_projection(
             proj, self.A_log, self.dt_bias, self.conv_dim, self.hv, self.dv)
-        conv_out = tree_causal_conv1d(mixed, self.conv_weight, parents, conv_window)
+        keep_mixed, u_out, G_out = (None, None, None) if keep is None else keep
+        conv_out = tree_causal_conv1d(mixed, self.conv_weight, parents, conv_window, keep_input=keep_mixed)
         q, k, v = fused_split_heads(conv_out, self.hk, self.dk, self.hv, self.dv)
-        o, ctx = gdn_tree_verify(q, k, v, g, beta, parents, state, kernel=kernel, ancestors=ancestors)
-        return self.output(o, z), (mixed, ctx)
+        o, ctx = gdn_tree_verify(q, k, v, g, beta, parents, state, kernel=kernel, ancestors=ancestors,
+                                 u_out=u_out, G_out=G_out)
+        return self.output(o, z), (mixed if keep_mixed is None else keep_mixed, ctx)
 
     @staticmethod
     def commit(
@@ -142,27 +177,25 @@ class GatedDeltaNet(nn.Module):
 
 def commit_gdn_layers(
     states: torch.Tensor, windows: torch.Tensor, saved: list[tuple[torch.Tensor, GDNTreeContext]],
-    parents: torch.Tensor, accepted: torch.Tensor,
+    parents: torch.Tensor, accepted: torch.Tensor, stacks: GDNCommitStacks | None = None,
 ) -> None:
     """`GatedDeltaNet.commit` for all L layers at once: states [L, B, HV, dk, dv] and windows [L, B, C, 3] (the
-    cache's stacks), `saved` one verify output per layer in the same order. The layers' verify outputs are
-    stacked along the batch dim (layer-major, ~one copy kernel each) so ONE conv-commit and ONE fold launch
-    cover every layer instead of two launches per layer. The recurrent baseline (a state snapshot per node)
-    and non-contiguous stacks (a cache row view) commit layer by layer."""
+    cache's stacks), `saved` one verify output per layer in the same order, `stacks` the context those verify
+    calls wrote (layers stacked along the batch dim: ONE conv-commit and ONE fold launch, all layers sharing
+    the tree and path, cover every layer instead of two launches per layer; only the keys are stacked here, a
+    small copy). Without stacks (the recurrent baseline, a state snapshot per node) or with non-contiguous
+    caches (a cache row view), layer by layer."""
     L, B = states.shape[:2]
-    contexts = [ctx for _, ctx in saved]
-    if any(c.snapshots is not None for c in contexts) or not (states.is_contiguous() and windows.is_contiguous()):
+    if stacks is None or not (states.is_contiguous() and windows.is_contiguous()):
         for j, layer_saved in enumerate(saved):
             GatedDeltaNet.commit(states[j], windows[j], layer_saved, parents, accepted)
         return
-    parents_all, accepted_all = parents.repeat(L, 1), accepted.repeat(L, 1)
     flat_windows = windows.view(L * B, *windows.shape[2:])
-    mixed = torch.stack([m for m, _ in saved]).flatten(0, 1)
-    tree_conv_commit(mixed, parents_all, accepted_all, flat_windows, out=flat_windows)
+    tree_conv_commit(stacks.mixed.flatten(0, 1), parents, accepted, flat_windows, out=flat_windows)
     stacked = GDNTreeContext(
         initial_state=states.view(L * B, *states.shape[2:]),
-        k=torch.stack([c.k for c in contexts]).flatten(0, 1),
-        u=torch.stack([c.u for c in contexts]).flatten(0, 1),
-        G=torch.stack([c.G for c in contexts]).flatten(0, 1),
+        k=torch.stack([ctx.k for _, ctx in saved]).flatten(0, 1),
+        u=stacks.u.flatten(0, 1),
+        G=stacks.G.flatten(0, 1),
     )
-    gdn_tree_commit(stacked, accepted_all, out=stacked.initial_state)
+    gdn_tree_commit(stacked, accepted, out=stacked.initial_state)

@@ -6,6 +6,7 @@ engine can keep static buffers and CUDA graphs.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
 import torch
@@ -16,7 +17,7 @@ from dflash_tfm.config import FULL_ATTENTION, ModelConfig
 from dflash_tfm.kernels.attention.tree_attention import accepted_slots, write_accepted_kv
 from dflash_tfm.layers.attention import Attention
 from dflash_tfm.layers.fused_projections import add_norm_linear, silu_mul_linear
-from dflash_tfm.layers.gated_deltanet import GatedDeltaNet, commit_gdn_layers
+from dflash_tfm.layers.gated_deltanet import GatedDeltaNet, GDNCommitStacks, commit_gdn_layers
 from dflash_tfm.layers.linear import linear
 from dflash_tfm.layers.mlp import SwiGLU
 from dflash_tfm.layers.norm import RMSNorm
@@ -25,6 +26,15 @@ from dflash_tfm.spec.tree import TreeSpec
 
 if TYPE_CHECKING:  # the engine owns caches; models only receive them
     from dflash_tfm.engine.cache import ModelCache
+
+
+@dataclass
+class VerifyContext:
+    """What `CausalLM.commit` needs from a `verify` pass: each mixer's output by decoder layer index, and the
+    layer-stacked GDN context the pass wrote in place (None when it kept per-node snapshots instead)."""
+
+    layers: dict[int, object] = field(default_factory=dict)
+    gdn_stacks: GDNCommitStacks | None = None
 
 
 class DecoderLayer(nn.Module):
@@ -103,26 +113,28 @@ class CausalLM(nn.Module):
         cache_len: int,
         tap_layers: tuple[int, ...] = (),
         gdn_kernel: str = "chunk",
-    ) -> tuple[torch.Tensor, list[torch.Tensor], dict[int, object]]:
+    ) -> tuple[torch.Tensor, list[torch.Tensor], VerifyContext]:
         """One forward over all tree nodes (tree tensors [B, N]) hanging below the committed prefix of
         length `cache_len`. No cache is written. Returns final-normed hidden [B, N, hidden], the tap
         layers' outputs for every node, and per-layer data for `commit`."""
-        saved: dict[int, object] = {}
+        stacks = cache.gdn_commit_stacks(tree.parents.shape[1]) if cache.gdn_layers and gdn_kernel == "chunk" else None
+        saved = VerifyContext(gdn_stacks=stacks)
 
         def mixer(i: int, layer: DecoderLayer, proj: torch.Tensor) -> torch.Tensor:
             if layer.is_attention:
                 k_cache, v_cache = cache.attention[i]
-                out, saved[i] = layer.mixer.verify(proj, tree.positions, self.rope, k_cache, v_cache, cache_len, tree.ancestors)
+                out, saved.layers[i] = layer.mixer.verify(proj, tree.positions, self.rope, k_cache, v_cache, cache_len, tree.ancestors)
             else:
                 state, window = cache.gdn[i]
-                out, saved[i] = layer.mixer.verify(proj, state, window, tree.parents, tree.ancestors, gdn_kernel)
+                out, saved.layers[i] = layer.mixer.verify(proj, state, window, tree.parents, tree.ancestors, gdn_kernel,
+                                                   keep=None if stacks is None else stacks.layer(i))
             return out
 
         hidden, taps = self._run_layers(F.embedding(tree.tokens, self.embed_tokens), mixer, tap_layers)
         return hidden, taps, saved
 
     def commit(
-        self, cache: "ModelCache", cache_len: int, tree: TreeSpec, saved: dict[int, object],
+        self, cache: "ModelCache", cache_len: int, tree: TreeSpec, saved: VerifyContext,
         accepted: torch.Tensor, path_indices: torch.Tensor,
     ) -> None:
         """Commit the accepted root->node path of the last `verify`: accepted [B, N] bool (root included),
@@ -130,11 +142,12 @@ class CausalLM(nn.Module):
         the path at positions cache_len .. cache_len + a, as if the path had been decoded token by token."""
         if cache.attention_layers:  # one gather + one scatter per K and V for all attention layers
             slots = accepted_slots(cache_len, path_indices, tree.parents.shape[0], path_indices.device)
-            k_tree = torch.stack([saved[i][0] for i in cache.attention_layers])
-            v_tree = torch.stack([saved[i][1] for i in cache.attention_layers])
+            k_tree = torch.stack([saved.layers[i][0] for i in cache.attention_layers])
+            v_tree = torch.stack([saved.layers[i][1] for i in cache.attention_layers])
             write_accepted_kv(cache.k, cache.v, k_tree, v_tree, slots)
         if cache.gdn_layers:
-            commit_gdn_layers(cache.states, cache.windows, [saved[i] for i in cache.gdn_layers], tree.parents, accepted)
+            commit_gdn_layers(cache.states, cache.windows, [saved.layers[i] for i in cache.gdn_layers], tree.parents,
+                              accepted, saved.gdn_stacks)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final-normed hidden [..., hidden] -> fp32 logits [..., V]."""

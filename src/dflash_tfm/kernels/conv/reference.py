@@ -15,13 +15,18 @@ import torch.nn.functional as F
 WIDTH = 4
 
 
-def check_tree_conv_inputs(x: torch.Tensor, parents: torch.Tensor, conv_window: torch.Tensor) -> tuple[int, int, int]:
-    """Validate shapes (no host sync) and return ``(B, N, C)``."""
+def check_tree_conv_inputs(
+    x: torch.Tensor, parents: torch.Tensor, conv_window: torch.Tensor, shared_trees: bool = False,
+) -> tuple[int, int, int]:
+    """Validate shapes (no host sync) and return ``(B, N, C)``. ``shared_trees``: parents may have P rows with
+    B a multiple of P (row b follows tree b % P)."""
     if x.dim() != 3:
         raise ValueError(f"x must be [B, N, C], got {tuple(x.shape)}")
     B, N, C = x.shape
-    if tuple(parents.shape) != (B, N):
-        raise ValueError(f"parents must be [{B}, {N}], got {tuple(parents.shape)}")
+    P = parents.shape[0] if shared_trees and parents.dim() == 2 and parents.shape[0] and B % parents.shape[0] == 0 else B
+    if tuple(parents.shape) != (P, N):
+        raise ValueError(f"parents must be [{B}, {N}]" + (" (or [P, N], P dividing the batch)" if shared_trees else "")
+                         + f", got {tuple(parents.shape)}")
     if tuple(conv_window.shape) != (B, C, WIDTH - 1):
         raise ValueError(f"conv_window must be [{B}, {C}, {WIDTH - 1}], got {tuple(conv_window.shape)}")
     return B, N, C

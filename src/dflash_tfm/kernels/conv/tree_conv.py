@@ -36,11 +36,12 @@ def _input_at(x, window, b, a, offs_c, cm, sx_b, sx_n, sw_b, sw_c):
 
 @triton.jit
 def _tree_conv_kernel(
-    x, weight, parents, window, y,
+    x, weight, parents, window, y, keep,
     N, C, sx_b, sx_n, sw_b, sw_c, swt_c, sy_b, sy_n,
-    BC: tl.constexpr, SILU: tl.constexpr,
+    BC: tl.constexpr, SILU: tl.constexpr, KEEP: tl.constexpr,
 ):
-    """Grid (cdiv(C, BC), B·N). x, y: [B, N, C]; weight: [C, 4]; window: [B, C, 3]."""
+    """Grid (cdiv(C, BC), B·N). x, y: [B, N, C]; weight: [C, 4]; window: [B, C, 3]; keep (if KEEP): a
+    contiguous [B, N, C] copy of x, stored by the program that loads each row anyway."""
     b = tl.program_id(1) // N
     i = tl.program_id(1) % N
     offs_c = tl.program_id(0) * BC + tl.arange(0, BC)
@@ -49,7 +50,10 @@ def _tree_conv_kernel(
     acc = tl.zeros([BC], dtype=tl.float32)
     for t in tl.static_range(4):  # t = 0 is the node itself; weight column 3 − t
         w_t = tl.load(weight + offs_c * swt_c + (3 - t), mask=cm, other=0.0).to(tl.float32)
-        acc += w_t * _input_at(x, window, b, a, offs_c, cm, sx_b, sx_n, sw_b, sw_c)
+        x_t = _input_at(x, window, b, a, offs_c, cm, sx_b, sx_n, sw_b, sw_c)
+        if KEEP and t == 0:
+            tl.store(keep + (b * N + i) * C + offs_c, x_t.to(keep.dtype.element_ty), mask=cm)
+        acc += w_t * x_t
         a = _up(parents, b, N, a)
     if SILU:
         acc = acc * tl.sigmoid(acc)
@@ -59,21 +63,23 @@ def _tree_conv_kernel(
 @triton.jit
 def _tree_conv_commit_kernel(
     x, parents, accepted, window, out,
-    N, C, sx_b, sx_n, sw_b, sw_c,
+    N, C, PATHS, sx_b, sx_n, sw_b, sw_c,
     BC: tl.constexpr, NPOW: tl.constexpr,
 ):
-    """Grid (cdiv(C, BC), B). out: [B, C, 3], slot 2 = the deepest accepted node's input. All three inputs
-    are loaded before any store, so `out` may be `window` itself (each program owns its channels)."""
+    """Grid (cdiv(C, BC), B). out: [B, C, 3], slot 2 = the deepest accepted node's input; batch row b follows
+    tree and path b % PATHS. All three inputs are loaded before any store, so `out` may be `window` itself
+    (each program owns its channels)."""
     b = tl.program_id(1)
+    p = b % PATHS
     offs_c = tl.program_id(0) * BC + tl.arange(0, BC)
     cm = offs_c < C
     nodes = tl.arange(0, NPOW)
-    on_path = tl.load(accepted + b * N + nodes, mask=nodes < N, other=0) != 0
+    on_path = tl.load(accepted + p * N + nodes, mask=nodes < N, other=0) != 0
     a = tl.max(tl.where(on_path, nodes, -1), axis=0)  # parents precede children: deepest = largest index
     newest = _input_at(x, window, b, a, offs_c, cm, sx_b, sx_n, sw_b, sw_c)
-    a = _up(parents, b, N, a)
+    a = _up(parents, p, N, a)
     middle = _input_at(x, window, b, a, offs_c, cm, sx_b, sx_n, sw_b, sw_c)
-    a = _up(parents, b, N, a)
+    a = _up(parents, p, N, a)
     oldest = _input_at(x, window, b, a, offs_c, cm, sx_b, sx_n, sw_b, sw_c)
     row = out + (b * C + offs_c) * 3
     tl.store(row + 2, newest.to(out.dtype.element_ty), mask=cm)
@@ -88,26 +94,33 @@ def _unit_stride(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
 
 def tree_causal_conv1d(
     x: torch.Tensor, weight: torch.Tensor, parents: torch.Tensor, conv_window: torch.Tensor,
-    activation: str | None = "silu",
+    activation: str | None = "silu", keep_input: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``y_i = act(Σ_t w[:, 3−t] · x_{anc_t(i)})`` for every tree node; the window is only read.
 
     x ``[B, N, C]``, weight ``[C, 4]``, parents ``[B, N]``, conv_window ``[B, C, 3]`` (most recent last).
-    Returns ``y [B, N, C]`` in x's dtype (fp32 accumulation).
+    Returns ``y [B, N, C]`` in x's dtype (fp32 accumulation). ``keep_input`` (contiguous, x's shape) also
+    receives x: a slice of a layer-stacked buffer lets the commit read every layer's inputs in one launch,
+    without a stacking copy of x (which is usually a strided view of the input projection).
     """
     B, N, C = check_tree_conv_inputs(x, parents, conv_window)
     if activation not in ("silu", None):
         raise ValueError(f"activation must be 'silu' or None, got {activation!r}")
     if tuple(weight.shape) != (C, WIDTH):
         raise ValueError(f"weight must be [{C}, {WIDTH}], got {tuple(weight.shape)}")
+    if keep_input is not None and (keep_input.shape != x.shape or not keep_input.is_contiguous()):
+        raise ValueError(f"keep_input must be a contiguous {tuple(x.shape)} tensor, got {tuple(keep_input.shape)}")
     if not use_triton(x):
+        if keep_input is not None:
+            keep_input.copy_(x)
         return tree_causal_conv1d_reference(x, weight, parents, conv_window, activation)
     x, weight, conv_window, parents = _unit_stride(x, weight, conv_window, parents.contiguous())
     y = torch.empty(B, N, C, dtype=x.dtype, device=x.device)
     BC = min(1024, triton.next_power_of_2(C))
     _tree_conv_kernel[(triton.cdiv(C, BC), B * N)](
-        x, weight, parents, conv_window, y, N, C, *x.stride()[:2], *conv_window.stride()[:2],
-        weight.stride(0), *y.stride()[:2], BC=BC, SILU=activation == "silu")
+        x, weight, parents, conv_window, y, y if keep_input is None else keep_input, N, C, *x.stride()[:2],
+        *conv_window.stride()[:2], weight.stride(0), *y.stride()[:2], BC=BC, SILU=activation == "silu",
+        KEEP=keep_input is not None)
     return y
 
 
@@ -116,11 +129,17 @@ def tree_conv_commit(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """New conv window ``[B, C, 3]`` (in conv_window's dtype): the last three inputs along the accepted path
-    ``accepted [B, N]`` (bool, root included), falling back into the old window. ``out`` (contiguous, may be
-    ``conv_window`` itself: the commit then happens in place) receives it; by default a new tensor."""
-    B, N, C = check_tree_conv_inputs(x, parents, conv_window)
+    ``accepted [B, N]`` (bool, root included), falling back into the old window. ``parents`` and ``accepted``
+    may instead have P rows, B a multiple of P: row b then follows tree and path b % P (layers stacked along
+    the batch share one tree). ``out`` (contiguous, may be ``conv_window`` itself: the commit then happens in
+    place) receives it; by default a new tensor."""
+    B, N, C = check_tree_conv_inputs(x, parents, conv_window, shared_trees=True)
+    paths = parents.shape[0]
+    if tuple(accepted.shape) != tuple(parents.shape):
+        raise ValueError(f"accepted must be parents' shape {tuple(parents.shape)}, got {tuple(accepted.shape)}")
     if not use_triton(x):
-        window = tree_conv_commit_reference(x, parents, accepted, conv_window)
+        window = tree_conv_commit_reference(x, parents.repeat(B // paths, 1), accepted.repeat(B // paths, 1),
+                                            conv_window)
         return window if out is None else out.copy_(window)
     if out is not None and (not out.is_contiguous() or out.shape != conv_window.shape):
         raise ValueError(f"out must be a contiguous {tuple(conv_window.shape)} tensor")
@@ -131,6 +150,6 @@ def tree_conv_commit(
     out = torch.empty(B, C, WIDTH - 1, dtype=conv_window.dtype, device=x.device) if out is None else out
     BC = min(1024, triton.next_power_of_2(C))
     _tree_conv_commit_kernel[(triton.cdiv(C, BC), B)](
-        x, parents, acc, window, out, N, C, *x.stride()[:2], *window.stride()[:2],
+        x, parents, acc, window, out, N, C, paths, *x.stride()[:2], *window.stride()[:2],
         BC=BC, NPOW=triton.next_power_of_2(N))
     return out

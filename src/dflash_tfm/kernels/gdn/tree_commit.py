@@ -2,7 +2,8 @@
 
 ``S* = e^(G_last) S0 + Σ_{j∈path} e^(G_last−G_j) k_j u_jᵀ`` uses the ``u`` rows and path decays ``G`` that the
 chunk verify pass already produced, so nothing is re-solved: per value head a ``[dk, N] × [N, dv]``
-product over the accepted rows (non-path rows get weight 0). The recurrent baseline's context holds a
+product over the accepted rows, which the kernel gathers (a path is at most one row per depth, so the fold
+reads the state tile and a few rows instead of the whole tree). The recurrent baseline's context holds a
 state per node instead; its commit picks the deepest accepted snapshot.
 """
 from __future__ import annotations
@@ -18,12 +19,15 @@ from dflash_tfm.kernels.gdn.tree_reference import GDNTreeContext, gdn_tree_commi
 @triton.jit
 def _gdn_tree_fold_kernel(
     k, u, G, accepted, S0, out,
-    N, HK, R,
+    N, HK, R, PATHS,
     sk_b, sk_n, sk_h, ss_b, ss_h, ss_k,
-    DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BN: tl.constexpr,
+    DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BP: tl.constexpr,
     NPOW: tl.constexpr,
 ):
-    """Grid (cdiv(dv, BV), B·HV). u: [B, N, HV, dv] fp32, G: [B, N, HV] fp32, accepted: [B, N] uint8."""
+    """Grid (cdiv(dv, BV), B·HV). u: [B, N, HV, dv] fp32, G: [B, N, HV] fp32, accepted: [PATHS, N] uint8
+    (batch row b reads path b % PATHS). Only the accepted rows are loaded: the path's nodes are listed in
+    order (their rank = the running count of accepted nodes before them) and gathered BP at a time, so the
+    cost is the state tile plus the path, not the whole tree."""
     HV = HK * R
     b = tl.program_id(1) // HV
     hv = tl.program_id(1) % HV
@@ -31,25 +35,27 @@ def _gdn_tree_fold_kernel(
     offs_k = tl.arange(0, BK)
     offs_v = tl.program_id(0) * BV + tl.arange(0, BV)
     tm = (offs_k[:, None] < DK) & (offs_v[None, :] < DV)
+    S0_t = tl.load(S0 + b * ss_b + hv * ss_h + offs_k[:, None] * ss_k + offs_v[None, :], mask=tm, other=0.0)
     nodes = tl.arange(0, NPOW)
-    on_path = tl.load(accepted + b * N + nodes, mask=nodes < N, other=0) != 0
-    last = tl.max(tl.where(on_path, nodes, -1), axis=0)  # parents precede children: deepest = largest index
+    on_path = (tl.load(accepted + (b % PATHS) * N + nodes, mask=nodes < N, other=0) != 0).to(tl.int32)
+    rank = tl.cumsum(on_path, axis=0) - 1
+    count = tl.sum(on_path, axis=0)
+    last = tl.max(tl.where(on_path != 0, nodes, -1), axis=0)  # parents precede children: deepest = largest index
     G_last = tl.load(G + (b * N + tl.maximum(last, 0)) * HV + hv)
     G_last = tl.where(last >= 0, G_last, 0.0)
-    S = tl.zeros([BK, BV], dtype=tl.float32)
-    for n0 in range(0, N, BN):
-        offs_n = n0 + tl.arange(0, BN)
-        nm = offs_n < N
-        acc = tl.load(accepted + b * N + offs_n, mask=nm, other=0) != 0
-        G_n = tl.load(G + (b * N + offs_n) * HV + hv, mask=nm, other=0.0)
-        w = tl.where(acc, tl.exp(tl.minimum(G_last - G_n, 0.0)), 0.0)
-        k_n = tl.load(k + b * sk_b + offs_n[:, None] * sk_n + hk * sk_h + offs_k[None, :],
-                      mask=nm[:, None] & (offs_k[None, :] < DK), other=0.0).to(tl.float32)
-        u_n = tl.load(u + ((b * N + offs_n[:, None]) * HV + hv) * DV + offs_v[None, :],
-                      mask=nm[:, None] & (offs_v[None, :] < DV), other=0.0)
+    S = tl.exp(G_last) * S0_t
+    for r0 in range(0, count, BP):
+        slot = r0 + tl.arange(0, BP)
+        pick = (on_path[None, :] != 0) & (rank[None, :] == slot[:, None])  # [BP, NPOW]: node of each slot
+        idx = tl.sum(tl.where(pick, nodes[None, :], 0), axis=1)
+        valid = slot < count
+        G_n = tl.load(G + (b * N + idx) * HV + hv, mask=valid, other=0.0)
+        w = tl.where(valid, tl.exp(tl.minimum(G_last - G_n, 0.0)), 0.0)
+        k_n = tl.load(k + b * sk_b + idx[:, None] * sk_n + hk * sk_h + offs_k[None, :],
+                      mask=valid[:, None] & (offs_k[None, :] < DK), other=0.0).to(tl.float32)
+        u_n = tl.load(u + ((b * N + idx[:, None]) * HV + hv) * DV + offs_v[None, :],
+                      mask=valid[:, None] & (offs_v[None, :] < DV), other=0.0)
         S += tl.dot(tl.trans(k_n * w[:, None]), u_n, input_precision="ieee")
-    S0_t = tl.load(S0 + b * ss_b + hv * ss_h + offs_k[:, None] * ss_k + offs_v[None, :], mask=tm, other=0.0)
-    S += tl.exp(G_last) * S0_t
     tl.store(out + ((b * HV + hv) * DK + offs_k[:, None]) * DV + offs_v[None, :], S, mask=tm)
 
 
@@ -57,15 +63,20 @@ def gdn_tree_commit(ctx: GDNTreeContext, accepted: torch.Tensor, out: torch.Tens
     """New fp32 state ``[B, HV, dk, dv]`` after decoding the accepted root→node path.
 
     ``ctx`` from :func:`gdn_tree_verify`; ``accepted [B, N]`` bool marks the path's nodes (root included).
-    Nothing accepted gives the initial state. ``out`` (contiguous fp32) receives the state and may be
-    ``ctx.initial_state`` itself — each program reads its tile of S0 before writing that tile, so the commit
-    then happens in place; by default a new tensor. No host sync.
+    ``accepted`` may also have P rows with B a multiple of P: batch row b then takes path b % P (contexts of
+    several layers stacked along the batch share one path, without repeating it). Nothing accepted gives the
+    initial state. ``out`` (contiguous fp32) receives the state and may be ``ctx.initial_state`` itself — each
+    program reads its tile of S0 before writing that tile, so the commit then happens in place; by default a
+    new tensor. No host sync.
     """
     S0 = ctx.initial_state
-    if ctx.snapshots is not None or not use_triton(S0):
-        state = gdn_tree_commit_reference(ctx, accepted)
-        return state if out is None else out.copy_(state)
     B, HV, dk, dv = S0.shape
+    paths = accepted.shape[0]
+    if accepted.dim() != 2 or B % paths:
+        raise ValueError(f"accepted must be [P, N] with the batch {B} a multiple of P, got {tuple(accepted.shape)}")
+    if ctx.snapshots is not None or not use_triton(S0):
+        state = gdn_tree_commit_reference(ctx, accepted.repeat(B // paths, 1))
+        return state if out is None else out.copy_(state)
     if out is not None and (not out.is_contiguous() or out.shape != S0.shape or out.dtype != torch.float32):
         raise ValueError(f"out must be a contiguous fp32 {tuple(S0.shape)} tensor")
     N, HK = ctx.k.shape[1], ctx.k.shape[2]
@@ -76,6 +87,6 @@ def gdn_tree_commit(ctx: GDNTreeContext, accepted: torch.Tensor, out: torch.Tens
     out = torch.empty(B, HV, dk, dv, dtype=torch.float32, device=S0.device) if out is None else out
     BV = min(32, max(16, triton.next_power_of_2(dv)))
     _gdn_tree_fold_kernel[(triton.cdiv(dv, BV), B * HV)](
-        k, ctx.u, ctx.G, acc, S0, out, N, HK, HV // HK, *k.stride()[:3], *S0.stride()[:3],
-        DK=dk, DV=dv, BK=max(16, triton.next_power_of_2(dk)), BV=BV, BN=16, NPOW=triton.next_power_of_2(N))
+        k, ctx.u, ctx.G, acc, S0, out, N, HK, HV // HK, paths, *k.stride()[:3], *S0.stride()[:3],
+        DK=dk, DV=dv, BK=max(16, triton.next_power_of_2(dk)), BV=BV, BP=16, NPOW=max(16, triton.next_power_of_2(N)))
     return out

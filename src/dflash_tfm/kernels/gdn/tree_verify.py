@@ -439,6 +439,7 @@ def gdn_tree_verify(
     precision: str = "tf32", solve_precision: str = "ieee", block_v: int | None = 32,
     num_warps: int | None = None, num_stages: int | None = 1, gram_pairs: bool = True,
     state_block_v: int = 64, solve_width: int | None = None, fuse_gram: bool = False,
+    u_out: torch.Tensor | None = None, G_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, GDNTreeContext]:
     """Outputs of all N tree nodes of one GDN layer from the committed state; writes no state.
 
@@ -460,6 +461,10 @@ def gdn_tree_verify(
     the split solver's parallel state-product kernel; ``solve_width`` solved rows per dot in the split
     solver's substitution (a power-of-2 multiple of ``block_size``; default ``block_size``); ``fuse_gram``
     (split only) computes the Gram tiles and G inside the state-product kernel: two launches instead of three.
+
+    ``u_out`` / ``G_out`` (chunk kernel, both or neither; contiguous fp32 ``[B, N, HV, dv]`` / ``[B, N, HV]``)
+    receive the context's solved rows and path decays instead of new tensors: slices of layer-stacked
+    buffers let the model's commit fold every layer in one launch without stacking copies.
     """
     B, N, HK, HV, R, dk, dv = check_gdn_tree_inputs(q, k, v, g, beta, parents, initial_state)
     if kernel not in ("chunk", "recurrent"):
@@ -480,8 +485,16 @@ def gdn_tree_verify(
         raise ValueError(f"solve_width must be a power-of-2 multiple of block_size, got {solve_width}")
     if fuse_gram and solve != "split":
         raise ValueError("fuse_gram needs solve='split'")
+    if (u_out is None) != (G_out is None) or (u_out is not None and kernel != "chunk"):
+        raise ValueError("u_out and G_out come together, for the chunk kernel (the recurrent one keeps snapshots)")
+    for name, buf, shape in (("u_out", u_out, (B, N, HV, dv)), ("G_out", G_out, (B, N, HV))):
+        if buf is not None and (tuple(buf.shape) != shape or buf.dtype != torch.float32 or not buf.is_contiguous()):
+            raise ValueError(f"{name} must be a contiguous fp32 {shape} tensor, got {tuple(buf.shape)} {buf.dtype}")
     if not use_triton(q):
-        return gdn_tree_verify_reference(q, k, v, g, beta, parents, initial_state, scale, ancestors)
+        o, ctx = gdn_tree_verify_reference(q, k, v, g, beta, parents, initial_state, scale, ancestors)
+        if u_out is None:
+            return o, ctx
+        return o, GDNTreeContext(initial_state=initial_state, k=ctx.k, u=u_out.copy_(ctx.u), G=G_out.copy_(ctx.G))
     scale = dk**-0.5 if scale is None else scale
     q, k, v, S0 = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v, initial_state))
     o = torch.empty(B, N, HV, dv, dtype=v.dtype, device=v.device)
@@ -504,8 +517,8 @@ def gdn_tree_verify(
     launch = {"num_warps": warps if num_warps is None else num_warps}
     if num_stages is not None:
         launch["num_stages"] = num_stages
-    G = torch.empty(B, N, HV, dtype=torch.float32, device=q.device)
-    u = torch.empty(B, N, HV, dv, dtype=torch.float32, device=q.device)
+    G = torch.empty(B, N, HV, dtype=torch.float32, device=q.device) if G_out is None else G_out
+    u = torch.empty(B, N, HV, dv, dtype=torch.float32, device=q.device) if u_out is None else u_out
     ctx = GDNTreeContext(initial_state=initial_state, k=k, u=u, G=G)
     if not fuse_gram:
         kk = torch.empty(B, HK, NP, NP, dtype=torch.float32, device=q.device)
