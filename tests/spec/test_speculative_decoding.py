@@ -76,6 +76,17 @@ def test_random_drafters_reproduce_greedy(target, algo: str, budget: int) -> Non
     assert decode(decoder)[0] == greedy_reference(model)
 
 
+@pytest.mark.parametrize("algo", ["DFLASH", "DFLASH_TFM"])
+def test_drafting_ahead_of_the_host_read_reproduces_greedy(target, algo: str) -> None:
+    """draft_ahead (the CUDA default; off on the CPU): each step's draft is enqueued by the step before, for a
+    key-length bound taken before the read. The same tokens, and near the cache end it stops drafting ahead."""
+    cfg, model, root = target
+    decoder = build_decoder(runner_for(model), cfg, algo, root / "dflash", root / "weaver.pth", 16, None, "chunk")
+    decoder.draft_ahead = True
+    n = decoder.runner.max_len - len(PROMPT) - 1  # to the last cache slot: the last steps are plain decode steps
+    assert decode(decoder, n)[0] == greedy_reference(model, n)
+
+
 def test_published_tree_width_reproduces_greedy(target) -> None:
     """DFLASH_TFM with the published 8 children per expanded node (Engine's tfm_children_per_node; the default
     is 16) is lossless too."""
@@ -111,13 +122,17 @@ class OracleDrafter:
         return logits, torch.zeros(1, BLOCK - 1, self.hidden)
 
 
-@pytest.mark.parametrize("algo, budget", [("DFLASH", 0), ("DDTREE", 64), ("DFLASH_TFM", 64)])
-def test_oracle_drafter_accepts_whole_blocks(target, algo: str, budget: int) -> None:
+@pytest.mark.parametrize("algo, budget, draft_ahead", [("DFLASH", 0, False), ("DDTREE", 64, False),
+                                                       ("DFLASH_TFM", 64, False), ("DFLASH", 0, True),
+                                                       ("DFLASH_TFM", 64, True)])
+def test_oracle_drafter_accepts_whole_blocks(target, algo: str, budget: int, draft_ahead: bool) -> None:
+    """(With draft_ahead, a draft made before the commit it follows would miss: whole blocks show it was not.)"""
     cfg, model, root = target
     reference = greedy_reference(model, N_TOKENS + 3 * BLOCK)
     runner = runner_for(model)
     drafter = OracleDrafter(reference, len(PROMPT), cfg.hidden_size)
-    decoder = SpeculativeDecoder(runner, drafter, build_proposer(algo, runner, cfg, root / "weaver.pth", max(budget, 1), BLOCK))
+    decoder = SpeculativeDecoder(runner, drafter, build_proposer(algo, runner, cfg, root / "weaver.pth", max(budget, 1), BLOCK),
+                                 draft_ahead=draft_ahead)
     tokens, per_step = decode(decoder)
     assert tokens == reference[:N_TOKENS]
     assert per_step == [BLOCK] * len(per_step), per_step  # tau = block size = depth 15 + 1

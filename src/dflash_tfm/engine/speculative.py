@@ -8,7 +8,9 @@ and writes device tensors only: the committed length L, the root (bonus) token a
 at the last committed token live in static buffers, the drafter's context append always writes a full
 block of slots (the ones past the accepted path are scratch the next draft overwrites), and sampling reads
 uniforms drawn before the step. So on CUDA each phase is one graph replay (`PhaseGraphs`), and the step's
-only host synchronisation is reading the tokens it produced.
+only host synchronisation is reading the tokens it produced. That read overlaps the next step's draft: the draft
+needs only device state the commit just wrote (and a key-length bound the host knows before the read), so it is
+enqueued first and the GPU does not idle while the host reads tokens and returns to the next step.
 """
 from __future__ import annotations
 
@@ -42,7 +44,10 @@ class SpeculativeDecoder:
     """Owns one request's speculative state (committed length, root token, the target's final hidden state at
     the last committed token, the drafter's context cache) and the CUDA graphs of the step's phases."""
 
-    def __init__(self, runner: ModelRunner, drafter, proposer: Proposer, gdn_kernel: str = "chunk") -> None:
+    def __init__(self, runner: ModelRunner, drafter, proposer: Proposer, gdn_kernel: str = "chunk",
+                 draft_ahead: bool | None = None) -> None:
+        """draft_ahead: enqueue each step's draft at the end of the previous step, before its host read (default:
+        on CUDA, where it keeps the GPU busy across the read; on the CPU every op is synchronous anyway)."""
         self.runner, self.drafter, self.proposer = runner, drafter, proposer
         self.model = runner.model
         self.gdn_kernel = gdn_kernel
@@ -59,6 +64,12 @@ class SpeculativeDecoder:
         self._uniforms = torch.zeros(proposer.num_nodes, device=device)
         self._emitted = torch.full((self.block,), -1, dtype=torch.long, device=device)
         self._steps = torch.arange(self.block, device=device)
+        self.draft_ahead = runner.device.type == "cuda" if draft_ahead is None else draft_ahead
+        self._drafted = False  # the draft outputs already hold the draft of the current state
+        cuda = device.type == "cuda"
+        self._emitted_host = torch.empty(self.block, dtype=torch.long, pin_memory=cuda)
+        self._emitted_copied = torch.cuda.Event() if cuda else None
+        self._staged = False
         # Outputs passed from phase to phase (under CUDA graphs: the tensors the captured graphs write).
         self._draft_logits: torch.Tensor | None = None
         self._draft_hidden: torch.Tensor | None = None
@@ -74,6 +85,7 @@ class SpeculativeDecoder:
         """Target prefill that also feeds the drafter its context features; returns the first token."""
         self.runner.reset()
         self.drafter.reset()
+        self._drafted = False
         logits, hidden = self.runner.prefill(
             torch.tensor(prompt_ids, dtype=torch.long), tap_layers=self.tap_layers,
             on_taps=lambda taps, start: self.drafter.append_context(taps, start),
@@ -90,24 +102,36 @@ class SpeculativeDecoder:
         Within one tree depth of the cache end it takes a plain decode step instead."""
         L, t = self.length, self.timer
         if L + self.max_depth + 1 > self.runner.max_len:
+            self._drafted = False
             logits = self.runner.decode(self._root, L)
             self._root.copy_(sample(logits, params, generator).view(1))
             self.length = L + 1
             return [int(self._root.item())]
         if not params.greedy:
             self._uniforms.uniform_(generator=generator)
-        draft_len = self.runner.bucket(L + self.max_depth)  # >= L + block drafter slots, a power of two
         sampling = "greedy" if params.greedy else (params.temperature, params.top_k, params.top_p)
         with skinny_projections():  # fixed row counts: projections may use the measured skinny kernels
-            with t.phase("draft"):
-                self.graphs.run(("draft", draft_len), lambda: self._draft(draft_len))
+            if not self._drafted:
+                self._timed_draft(L)
             with t.phase("tree"):
                 self.graphs.run(("tree",), self._tree)
             with t.phase("verify"):
                 self.graphs.run(("verify",), self._verify)
             with t.phase("commit"):
                 self.graphs.run(("commit", sampling), lambda: self._commit(params), advances_state=True)
-                return self._take_emitted()  # the one host read per step: which tokens were produced
+                self._stage_emitted()
+            # The next step's draft, for a committed length of at most L + block: enqueued before the read.
+            self._drafted = self.draft_ahead and L + self.block + self.max_depth + 1 <= self.runner.max_len
+            if self._drafted:
+                self._timed_draft(L + self.block)
+            return self._take_emitted()  # the one host read per step: which tokens were produced
+
+    def _timed_draft(self, max_length: int) -> None:
+        """The draft phase for a committed length of at most ``max_length`` (its graph reads a power-of-two
+        bucket of drafter slots >= max_length + block)."""
+        draft_len = self.runner.bucket(max_length + self.max_depth)
+        with self.timer.phase("draft"):
+            self.graphs.run(("draft", draft_len), lambda: self._draft(draft_len))
 
     @torch.inference_mode()
     def step_scoring(self, params: SamplingParams, generator: torch.Generator | None,
@@ -136,9 +160,22 @@ class SpeculativeDecoder:
         self._commit(params)
         return self._take_emitted(), expectations[-1:] + expectations[:-1]
 
+    def _stage_emitted(self) -> None:
+        """Start copying the last commit's tokens to the host (pinned memory on CUDA), without waiting."""
+        self._emitted_host.copy_(self._emitted, non_blocking=self._emitted_copied is not None)
+        if self._emitted_copied is not None:
+            self._emitted_copied.record()
+        self._staged = True
+
     def _take_emitted(self) -> list[int]:
-        """The tokens the last commit produced (reads them to the host) and the committed length advanced."""
-        emitted = self._emitted.tolist()
+        """The tokens the last commit produced (waits for their copy only, not for work enqueued after it) and
+        the committed length advanced."""
+        if not self._staged:
+            self._stage_emitted()
+        if self._emitted_copied is not None:
+            self._emitted_copied.synchronize()
+        self._staged = False
+        emitted = self._emitted_host.tolist()
         out = emitted[: emitted.index(-1)] if -1 in emitted else emitted
         self.length += len(out)
         return out
@@ -163,7 +200,9 @@ class SpeculativeDecoder:
 
     def _commit(self, params: SamplingParams) -> None:
         """Accept along the target's draws, commit the path to the target and drafter caches, advance
-        L / root / h_last, and write the emitted tokens (accepted drafts then the bonus, -1 padded)."""
+        L / root / h_last, and write the emitted tokens (accepted drafts then the bonus, -1 padded). Any draft
+        made before is of the old state now (`step` enqueues the next one after this)."""
+        self._drafted = False
         tokens, parents, depths = self._tree_nodes
         tree, (hidden, taps, saved, logits) = self._tree_spec, self._verified
         draws = target_draws(logits, params, self._uniforms)
