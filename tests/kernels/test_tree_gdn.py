@@ -21,7 +21,9 @@ from dflash_tfm.kernels.gdn.tree_reference import (
 )
 from dflash_tfm.spec.tree import TREE_SHAPES, ancestor_bitsets, random_parents
 
-from .test_tree_common import accepted_mask, rel_err, triton_device  # noqa: F401  (fixture)
+from dflash_tfm.kernels.gdn import tree_commit
+
+from .test_tree_common import Always, accepted_mask, rel_err, triton_device  # noqa: F401  (fixture)
 
 TOL = 1e-4
 
@@ -319,10 +321,32 @@ def test_fold_kernel_compiles_for_hopper() -> None:
     f32 = "*fp32"
     signature = dict(k="*bf16", u=f32, G=f32, accepted="*u8", S0=f32, out=f32, N="i32", HK="i32", R="i32",
                      PATHS="i32", sk_b="i32", sk_n="i32", sk_h="i32", ss_b="i32", ss_h="i32", ss_k="i32")
-    constants = dict(DK=128, DV=128, BK=128, BV=32, BP=16, NPOW=128)
-    source = ASTSource(fn=_gdn_tree_fold_kernel, signature=signature | dict.fromkeys(constants, "constexpr"),
-                       constexprs=constants)
-    assert triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["cubin"]
+    for BV, warps in tree_commit.FOLD_TILES.values():
+        constants = dict(DK=128, DV=128, BK=128, BV=BV, BP=16, NPOW=128)
+        source = ASTSource(fn=_gdn_tree_fold_kernel, signature=signature | dict.fromkeys(constants, "constexpr"),
+                           constexprs=constants)
+        assert triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps}).asm["cubin"]
+
+
+@pytest.mark.parametrize("tile", list(tree_commit.FOLD_TILES))
+def test_triton_every_fold_tile_matches_twin(tile: str, triton_device: str, monkeypatch) -> None:
+    """Each timed launch shape of the fold (forced), dv = 48 (partial blocks) and a path longer than one gather."""
+    monkeypatch.setattr(tree_commit.fold_choice, "choices", Always(tile))
+    x = make_inputs(2, 40, 1, 3, 16, 48, seed=31, device=triton_device)
+    parents = torch.stack([random_parents(40, "chain", seed=1), random_parents(40, "random", seed=2)])
+    _, ctx = gdn_tree_verify(**x, parents=parents.to(triton_device))
+    acc = accepted_mask(parents, [39, 33]).to(triton_device)
+    assert rel_err(gdn_tree_commit(ctx, acc), gdn_tree_commit_reference(ctx, acc)) <= TOL
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile", list(tree_commit.FOLD_TILES))
+def test_gpu_every_fold_tile_matches_twin_27b_shapes(tile: str, monkeypatch) -> None:
+    monkeypatch.setattr(tree_commit.fold_choice, "choices", Always(tile))
+    x, parents = gpu_case(65)
+    _, ctx = gdn_tree_verify(**x, parents=parents)
+    acc = accepted_mask(parents.cpu(), [64]).cuda()
+    assert rel_err(gdn_tree_commit(ctx, acc), gdn_tree_commit_reference(ctx, acc)) <= 1e-4
 
 
 def test_verify_writes_the_context_into_given_buffers(triton_device: str) -> None:

@@ -17,7 +17,7 @@ class PhaseTimer:
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
         self._events: dict[str, list[tuple[torch.cuda.Event, torch.cuda.Event]]] = defaultdict(list)
-        self._seconds: dict[str, float] = defaultdict(float)
+        self._calls: dict[str, list[float]] = defaultdict(list)
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -30,15 +30,20 @@ class PhaseTimer:
         else:
             t0 = time.perf_counter()
             yield
-            self._seconds[name] += time.perf_counter() - t0
+            self._calls[name].append(time.perf_counter() - t0)
 
-    def collect(self) -> dict[str, float]:
-        """Seconds per phase since the last collect (synchronises with the recorded events once)."""
+    def collect_calls(self) -> dict[str, list[float]]:
+        """Seconds of every call of each phase since the last collect, in order (synchronises with the recorded
+        events once)."""
         for name, pairs in self._events.items():
             for start, end in pairs:
                 end.synchronize()
-                self._seconds[name] += start.elapsed_time(end) / 1e3
+                self._calls[name].append(start.elapsed_time(end) / 1e3)
         self._events.clear()
-        out = dict(self._seconds)
-        self._seconds.clear()
+        out = dict(self._calls)
+        self._calls.clear()
         return out
+
+    def collect(self) -> dict[str, float]:
+        """Seconds per phase since the last collect."""
+        return {name: sum(calls) for name, calls in self.collect_calls().items()}

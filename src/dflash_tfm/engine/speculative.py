@@ -209,7 +209,7 @@ class SpeculativeDecoder:
         acc = accept_tree(tokens, parents, depths, tree.ancestor_mask()[0], draws, self.max_depth)
         self.model.commit(self.runner.cache, self._length, tree, saved, acc.accepted.view(1, -1), acc.path.view(1, -1))
         on_path = torch.where(acc.path >= 0, acc.path, acc.last)  # padding repeats the last node: scratch slots
-        self.drafter.append_context([tap[:, on_path] for tap in taps], self._length)
+        self.drafter.append_context(torch.cat(taps, dim=-1)[:, on_path], self._length)  # one gather for all taps
         count = (acc.path >= 0).sum()
         after = torch.cat([acc.path[1:], acc.path[:1].new_full((1,), -1)])  # the node after each path node
         emitted = torch.where(after >= 0, tokens[after.clamp(min=0)], -1)

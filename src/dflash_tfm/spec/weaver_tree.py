@@ -143,7 +143,9 @@ def build_weaver_tree(
     if implementation not in ROUND_IMPLEMENTATIONS:
         raise ValueError(f"implementation must be one of {ROUND_IMPLEMENTATIONS}, got {implementation!r}")
 
-    pool_logits, pool_ids = logits.float().topk(pool, dim=-1)  # [K, pool]: row d = candidates of depth d + 1
+    # [K, pool]: row d = candidates of depth d + 1, in no particular order (every use re-scores the whole pool;
+    # skipping topk's sort of the 512 saves a radix-sort launch per step)
+    pool_logits, pool_ids = logits.float().topk(pool, dim=-1, sorted=False)
     cache = weaver.encode_prefix(h_target, h_dflash, n)
     slot_ids = torch.arange(n, device=device)
     tokens = torch.zeros(n, dtype=torch.long, device=device)
