@@ -30,6 +30,7 @@ from dflash_tfm.config import ModelConfig
 from dflash_tfm.engine.decoder_factory import build_proposer
 from dflash_tfm.engine.model_runner import ModelRunner
 from dflash_tfm.engine.speculative import SpeculativeDecoder
+from dflash_tfm.kernels.gdn.tree_commit import fold_choice
 from dflash_tfm.kernels.tree_growth.weaver_round import publish_choice, rescore_choice
 from dflash_tfm.kernels.tree_growth.weaver_step import rows_matmul_choice
 from dflash_tfm.layers.linear import projection_choice, skinny_projections
@@ -149,7 +150,8 @@ def main() -> None:
               + " |")
     report_choices(results, projections=projection_choice, weaver_round=round_kernel_choice,
                    fused_step_row_matmul=rows_matmul_choice, rescore_pool=rescore_choice,
-                   publish_children=publish_choice, draft_attention=block_attention_choice)
+                   publish_children=publish_choice, draft_attention=block_attention_choice,
+                   gdn_fold=fold_choice)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=2)
