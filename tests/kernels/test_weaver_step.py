@@ -146,10 +146,13 @@ def test_kernels_compile_for_hopper() -> None:
     for warps in weaver_round.PUBLISH_WARPS.values():
         cases.append((weaver_round._publish_children_kernel, publish, dict(C=16, BP=512, FLOOR=-1e30)))
         options.append({"num_warps": warps})
-    for tile in filter(None, weaver_step.ROW_TILES.values()):  # the timed tiles, on SwiGLU's flags (+ residual)
-        BN, BK, warps, stages, split, *late = tile
+    for name, tile in weaver_step.ROW_TILES.items():  # the timed tiles, on SwiGLU's flags (+ residual)
+        if tile is None:
+            continue
+        BN, BK, warps, stages, split = tile[:5]
+        late = weaver_step.is_late_norm(name)
         for flags in (step_flags[3], step_flags[2]) + ((step_flags[0], step_flags[1]) if late else ()):
-            constexprs = dict(flags, PRECISION="tf32", BM=16, BN=BN, BK=BK, SPLIT=split, LATE=bool(late))
+            constexprs = dict(flags, PRECISION="tf32", BM=16, BN=BN, BK=BK, SPLIT=split, LATE=late)
             cases.append((weaver_step._rows_matmul_kernel, matmul, constexprs))
             options.append({"num_warps": warps, "num_stages": stages})
     for (fn, signature, constexprs), option in zip(cases, options, strict=True):
@@ -157,7 +160,7 @@ def test_kernels_compile_for_hopper() -> None:
         assert triton.compile(source, target=GPUTarget("cuda", 90, 32), options=option).asm["cubin"]
 
 
-LATE_TILES = [t for t, shape in weaver_step.ROW_TILES.items() if shape and shape[5:]]
+LATE_TILES = [t for t in weaver_step.ROW_TILES if weaver_step.is_late_norm(t)]
 
 
 @pytest.mark.parametrize("tile, variant", [(t, 1) for t in weaver_step.ROW_TILES if t != "default"]

@@ -271,7 +271,7 @@ def _block_n(n: int) -> int:
     return 16 if n <= 2048 else 32  # enough programs to keep the weight stream in flight
 
 
-# Tiles (BN, BK, warps, stages, K slices) of `_rows_matmul_kernel`, timed per shape (`rows_matmul_choice`).
+# Tiles (BN, BK, warps, stages, K slices[, late norm]) of `_rows_matmul_kernel`, timed per shape (`rows_matmul_choice`).
 # Session 10's H200 profile: the default tiles streamed the Weaver's 59 MB per round at ~0.8 TB/s (1.17 ms of a
 # budget-128 tree's 2.02 ms), cuBLAS the same projections at ~1.5 TB/s: wider K steps and more stages keep more
 # weight bytes in flight per program. Session 13's profile: the best of those still ran at ~1.4 TB/s (0.66 ms
@@ -285,6 +285,14 @@ ROW_TILES = {"default": None, "n16 k256 s4": (16, 256, 4, 4, 1), "n32 k256 s4": 
              "n32 k256 s4 late": (32, 256, 4, 4, 1, True), "n32 k128 s4 x4 late": (32, 128, 4, 4, 4, True),
              "n16 k128 s4 x4 late": (16, 128, 4, 4, 4, True), "n32 k64 s4 x8 late": (32, 64, 4, 4, 8, True)}
 rows_matmul_choice = MeasuredChoice(default="default")
+
+
+def is_late_norm(tile: str) -> bool:
+    """Whether `tile` applies a projection's norm in the epilogue (the tuple's optional sixth entry)."""
+    shape = ROW_TILES[tile]
+    return bool(shape and shape[5:] and shape[5])
+
+
 _arrivals: dict[torch.device, torch.Tensor] = {}  # per device: the split tiles' counters, zero between launches
 MAX_TILES = 4096
 
@@ -317,7 +325,8 @@ def _rows_matmul(
                  HAS_BIAS=bias is not None, RESIDUAL=res is not None)
 
     def launch(tile: str) -> None:
-        BN, BK, warps, stages, split, *late = ROW_TILES[tile] or (_block_n(N), 128, 4, 3, 1)
+        BN, BK, warps, stages, split = (ROW_TILES[tile] or (_block_n(N), 128, 4, 3, 1))[:5]
+        late = is_late_norm(tile)
         k_split = triton.cdiv(K, split)
         BK = max(16, min(BK, triton.next_power_of_2(k_split)))  # (tl.dot needs K steps of >= 16)
         k_split = triton.cdiv(k_split, BK) * BK  # whole BK steps per slice
@@ -333,13 +342,13 @@ def _rows_matmul(
             norm.bias if norm is not None else dummy, weight, bias if bias is not None else dummy, y, partial,
             late_sums, arrivals, M, N, K, pos_emb.shape[0] if pos_emb is not None else 1, k_split, NORM_EPS,
             **flags, PRECISION="ieee" if weight.dtype == torch.float32 else "tf32",
-            BM=MAX_ROWS, BN=BN, BK=BK, SPLIT=split, LATE=bool(late), num_warps=warps, num_stages=stages)
+            BM=MAX_ROWS, BN=BN, BK=BK, SPLIT=split, LATE=late, num_warps=warps, num_stages=stages)
 
     if not (y.is_cuda and torch.cuda.is_current_stream_capturing()):
         _arrival_counters(y.device)  # now: the choice below times its candidates inside CUDA graphs
     # Every launch writes fresh outputs from unchanged inputs (x_out gets the same rows), so timing may repeat it.
     key = (M, N, K, weight.dtype, *flags.values())
-    timed = [t for t, shape in ROW_TILES.items() if norm is not None or not (shape and shape[5:])]
+    timed = [t for t in ROW_TILES if norm is not None or not is_late_norm(t)]  # (late = plain without a norm)
     tile = rows_matmul_choice.pick(key, lambda: {t: (lambda t=t: launch(t)) for t in timed},
                                    can_time=weight.is_cuda)
     launch(tile)
