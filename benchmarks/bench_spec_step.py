@@ -62,7 +62,7 @@ def measure(decoder: SpeculativeDecoder, prompt: list[int], params: SamplingPara
     out["tokens_per_step"] = tokens / steps
     # Each pure phase's graph replayed on its own (same inputs, so the same work), every replay from an idle
     # GPU: so these include the graph's launch latency, which inside the step is hidden behind the phase before
-    # (the draft behind the previous commit). Their excess over the in-step times is that latency.
+    # (the draft behind the previous commit): any excess over the in-step times is that latency.
     keys = {"draft": ("draft", decoder.runner.bucket(decoder.length + decoder.max_depth)), "tree": ("tree",),
             "verify": ("verify",)}
     for phase, key in keys.items():

@@ -21,6 +21,7 @@ class ModelCache:
     def __init__(self, cfg: ModelConfig, max_len: int, batch: int, dtype: torch.dtype, device: torch.device) -> None:
         self.max_len = max_len
         self.config = cfg
+        self._commit_stacks: dict[int, GDNCommitStacks] = {}
         self.attention_layers = [i for i, t in enumerate(cfg.layer_types) if t == FULL_ATTENTION]
         self.gdn_layers = [i for i, t in enumerate(cfg.layer_types) if t != FULL_ATTENTION]
         kv_shape = (len(self.attention_layers), batch, max_len, cfg.num_kv_heads, cfg.head_dim)
@@ -44,7 +45,6 @@ class ModelCache:
         return self._commit_stacks[nodes]
 
     def _index_layers(self) -> None:
-        self._commit_stacks: dict[int, GDNCommitStacks] = {}
         self.attention = {i: (self.k[j], self.v[j]) for j, i in enumerate(self.attention_layers)}
         self.gdn = {i: (self.states[j], self.windows[j]) for j, i in enumerate(self.gdn_layers)}
 
@@ -58,6 +58,7 @@ class ModelCache:
         """A batch-1 view of batch row ``b``: reads and writes through it land in this cache's buffers."""
         view = object.__new__(ModelCache)
         view.max_len, view.config = self.max_len, self.config
+        view._commit_stacks = {}
         view.attention_layers, view.gdn_layers = self.attention_layers, self.gdn_layers
         view.k, view.v = self.k[:, b : b + 1], self.v[:, b : b + 1]
         view.states, view.windows = self.states[:, b : b + 1], self.windows[:, b : b + 1]

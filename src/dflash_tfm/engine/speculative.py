@@ -69,7 +69,6 @@ class SpeculativeDecoder:
         cuda = device.type == "cuda"
         self._emitted_host = torch.empty(self.block, dtype=torch.long, pin_memory=cuda)
         self._emitted_copied = torch.cuda.Event() if cuda else None
-        self._staged = False
         # Outputs passed from phase to phase (under CUDA graphs: the tensors the captured graphs write).
         self._draft_logits: torch.Tensor | None = None
         self._draft_hidden: torch.Tensor | None = None
@@ -102,7 +101,6 @@ class SpeculativeDecoder:
         Within one tree depth of the cache end it takes a plain decode step instead."""
         L, t = self.length, self.timer
         if L + self.max_depth + 1 > self.runner.max_len:
-            self._drafted = False
             logits = self.runner.decode(self._root, L)
             self._root.copy_(sample(logits, params, generator).view(1))
             self.length = L + 1
@@ -124,7 +122,7 @@ class SpeculativeDecoder:
             self._drafted = self.draft_ahead and L + self.block + self.max_depth + 1 <= self.runner.max_len
             if self._drafted:
                 self._timed_draft(L + self.block)
-            return self._take_emitted()  # the one host read per step: which tokens were produced
+            return self._take_emitted(staged=True)  # the one host read per step: which tokens were produced
 
     def _timed_draft(self, max_length: int) -> None:
         """The draft phase for a committed length of at most ``max_length`` (its graph reads a power-of-two
@@ -165,16 +163,14 @@ class SpeculativeDecoder:
         self._emitted_host.copy_(self._emitted, non_blocking=self._emitted_copied is not None)
         if self._emitted_copied is not None:
             self._emitted_copied.record()
-        self._staged = True
 
-    def _take_emitted(self) -> list[int]:
-        """The tokens the last commit produced (waits for their copy only, not for work enqueued after it) and
-        the committed length advanced."""
-        if not self._staged:
+    def _take_emitted(self, staged: bool = False) -> list[int]:
+        """The tokens the last commit produced (waits for their copy only, not for work enqueued after it; the
+        copy is started here unless `_stage_emitted` already did) and the committed length advanced."""
+        if not staged:
             self._stage_emitted()
         if self._emitted_copied is not None:
             self._emitted_copied.synchronize()
-        self._staged = False
         emitted = self._emitted_host.tolist()
         out = emitted[: emitted.index(-1)] if -1 in emitted else emitted
         self.length += len(out)

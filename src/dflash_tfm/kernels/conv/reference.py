@@ -23,7 +23,9 @@ def check_tree_conv_inputs(
     if x.dim() != 3:
         raise ValueError(f"x must be [B, N, C], got {tuple(x.shape)}")
     B, N, C = x.shape
-    P = parents.shape[0] if shared_trees and parents.dim() == 2 and parents.shape[0] and B % parents.shape[0] == 0 else B
+    P = B
+    if shared_trees and parents.dim() == 2 and parents.shape[0] and B % parents.shape[0] == 0:
+        P = parents.shape[0]
     if tuple(parents.shape) != (P, N):
         raise ValueError(f"parents must be [{B}, {N}]" + (" (or [P, N], P dividing the batch)" if shared_trees else "")
                          + f", got {tuple(parents.shape)}")

@@ -77,8 +77,8 @@ def gdn_tree_commit(ctx: GDNTreeContext, accepted: torch.Tensor, out: torch.Tens
     """
     S0 = ctx.initial_state
     B, HV, dk, dv = S0.shape
-    paths = accepted.shape[0]
-    if accepted.dim() != 2 or B % paths:
+    paths = accepted.shape[0] if accepted.dim() == 2 else 0
+    if not paths or B % paths:
         raise ValueError(f"accepted must be [P, N] with the batch {B} a multiple of P, got {tuple(accepted.shape)}")
     if ctx.snapshots is not None or not use_triton(S0):
         state = gdn_tree_commit_reference(ctx, accepted.repeat(B // paths, 1))

@@ -62,8 +62,8 @@ def _rows_matmul_kernel(
     """Grid (cdiv(N, BN), SPLIT): y [M, N] = act(norm(rows) · wᵀ + bias) (+ res [M, N]).
 
     rows [M, K]: x itself, or (GATHER) the table x at row tokens[nodes[r]] (+ pos_emb[min(depths[nodes[r]],
-    KPOS − 1)]), which program (0, 0) also writes to x_out (LATE: programs (0, ·), a K slice each). w [N, K] row-major, or (SWIGLU) [2N, K] = gate rows
-    then up rows, y = silu(gate) · up.
+    KPOS − 1)]), which program (0, 0) also writes to x_out (LATE: programs (0, ·), a K slice each). w [N, K]
+    row-major, or (SWIGLU) [2N, K] = gate rows then up rows, y = silu(gate) · up.
 
     SPLIT > 1 splits K into slices of K_SPLIT (more programs keep more weight bytes in flight: a round's
     projections have ≤ 16 rows, so one program per N tile leaves the H200 at ~1.5 TB/s). Each program stores
