@@ -125,31 +125,26 @@ def test_kernels_compile_for_hopper() -> None:
     step_flags += [dict(GATHER=False, POS=False, NORM=n, ACT=a, HAS_BIAS=b, RESIDUAL=r)
                    for n, a, b, r in ((False, 0, False, True), (True, 1, True, False), (True, 2, True, False),
                                       (False, 0, True, True))]
-    # PDL: every kernel also as launched overlapped (``launch_overlap``: griddepcontrol, L2 prefetch of weights).
     cases = [(weaver_step._rows_matmul_kernel, matmul, dict(f, PRECISION="tf32", BM=16, BN=32, BK=128, SPLIT=1,
-                                                             LATE=False, PDL=pdl, LINE=64))
-             for f in step_flags for pdl in (False, True)]
-    cases += [(weaver_step._node_attention_kernel, attention, dict(ROTARY=r, D=128, BT=32, PDL=pdl))
-              for r in (True, False) for pdl in (False, True)]
-    cases += [(weaver_round._rescore_pool_kernel, rescore, dict(NORM=n, BP=16, BD=256, PDL=pdl))
-              for n in (True, False) for pdl in (False, True)]
+                                                             LATE=False)) for f in step_flags]
+    cases += [(weaver_step._node_attention_kernel, attention, dict(ROTARY=r, D=128, BT=32)) for r in (True, False)]
+    cases += [(weaver_round._rescore_pool_kernel, rescore, dict(NORM=n, BP=16, BD=256)) for n in (True, False)]
     # The round's bookkeeping at both tree widths (8 published, 16 default) for 65- and 129-node trees.
     publish = dict(logits="*fp32", pool_ids=i64, depths=i64, scores="*fp32", frontier_score="*fp32",
                    frontier_token=i64, nodes=i64, P="i32", K="i32")
     place = dict(flat_score="*fp32", flat_token=i64, tokens=i64, parents=i64, depths=i64, scores="*fp32",
                  ancestors="*u8", nodes=i64, E="i32", N="i32")
     for c in (8, 16):
-        cases += [(weaver_round._publish_children_kernel, publish, dict(C=c, BP=512, FLOOR=-1e30, PDL=pdl))
-                  for pdl in (False, True)]
+        cases.append((weaver_round._publish_children_kernel, publish, dict(C=c, BP=512, FLOOR=-1e30)))
         cases += [(weaver_round._place_nodes_kernel, place, dict(W=w, C=c, BE=triton.next_power_of_2(n * c),
-                                                                 BN=triton.next_power_of_2(n), PDL=pdl))
-                  for n, w in ((65, 4), (129, 8)) for pdl in (False, True)]
+                                                                 BN=triton.next_power_of_2(n)))
+                  for n, w in ((65, 4), (129, 8))]
     options = [{"num_warps": 4}] * len(cases)
     for BP, warps in weaver_round.RESCORE_TILES.values():  # the timed launch shapes of re-scoring and publishing
-        cases.append((weaver_round._rescore_pool_kernel, rescore, dict(NORM=True, BP=BP, BD=256, PDL=True)))
+        cases.append((weaver_round._rescore_pool_kernel, rescore, dict(NORM=True, BP=BP, BD=256)))
         options.append({"num_warps": warps})
     for warps in weaver_round.PUBLISH_WARPS.values():
-        cases.append((weaver_round._publish_children_kernel, publish, dict(C=16, BP=512, FLOOR=-1e30, PDL=True)))
+        cases.append((weaver_round._publish_children_kernel, publish, dict(C=16, BP=512, FLOOR=-1e30)))
         options.append({"num_warps": warps})
     for name, tile in weaver_step.ROW_TILES.items():  # the timed tiles, on SwiGLU's flags (+ residual)
         if tile is None:
@@ -157,7 +152,7 @@ def test_kernels_compile_for_hopper() -> None:
         BN, BK, warps, stages, split = tile[:5]
         late = weaver_step.is_late_norm(name)
         for flags in (step_flags[3], step_flags[2]) + ((step_flags[0], step_flags[1]) if late else ()):
-            constexprs = dict(flags, PRECISION="tf32", BM=16, BN=BN, BK=BK, SPLIT=split, LATE=late, PDL=True, LINE=64)
+            constexprs = dict(flags, PRECISION="tf32", BM=16, BN=BN, BK=BK, SPLIT=split, LATE=late)
             cases.append((weaver_step._rows_matmul_kernel, matmul, constexprs))
             options.append({"num_warps": warps, "num_stages": stages})
     for (fn, signature, constexprs), option in zip(cases, options, strict=True):

@@ -21,13 +21,6 @@ def use_triton(x: torch.Tensor) -> bool:
     return x.is_cuda or TRITON_INTERPRETED
 
 
-def use_pdl(x: torch.Tensor) -> bool:
-    """Whether compiled kernels on ``x``'s device may start before the previous kernel ends (programmatic
-    dependent launch: Hopper and later; the interpreter runs no PTX). A kernel launched so waits for its
-    predecessor (``gdc_wait``) before it reads anything that kernel may have written."""
-    return x.is_cuda and not TRITON_INTERPRETED and torch.cuda.get_device_capability(x.device)[0] >= 9
-
-
 from dflash_tfm.kernels.attention.tree_attention import compact_accepted_kv, tree_attention  # noqa: E402
 from dflash_tfm.kernels.conv.tree_conv import tree_causal_conv1d, tree_conv_commit  # noqa: E402
 from dflash_tfm.kernels.gdn.tree_commit import gdn_tree_commit  # noqa: E402
@@ -40,7 +33,6 @@ __all__ = [
     "tree_attention",
     "tree_causal_conv1d",
     "tree_conv_commit",
-    "use_pdl",
     "use_triton",
     "TRITON_INTERPRETED",
 ]

@@ -81,19 +81,17 @@ def expand_nodes(
 def expand_nodes_with_kernels(
     nodes: torch.Tensor, weaver: Weaver, cache: WeaverCache, tokens: torch.Tensor, depths: torch.Tensor,
     ancestors: torch.Tensor, scores: torch.Tensor, pool_ids: torch.Tensor, pool_logits: torch.Tensor,
-    frontier_score: torch.Tensor, frontier_token: torch.Tensor, fused_step: bool = False, pdl: bool = False,
+    frontier_score: torch.Tensor, frontier_token: torch.Tensor, fused_step: bool = False,
 ) -> None:
     """:func:`expand_nodes` with the re-scoring and publishing as two Triton launches. ``fused_step``: the Weaver
     step too (``kernels.tree_growth.weaver_step``, five launches per block; its output norm then runs inside
-    the re-scoring), else the compiled torch step. ``pdl`` (with ``fused_step``): every launch overlaps the end of
-    the one before (``kernels.launch_overlap``)."""
+    the re-scoring), else the compiled torch step."""
     if fused_step:
-        query = weaver_step.weaver_step_rows(weaver, cache, nodes, tokens, depths, ancestors, pdl=pdl)
-        norm = weaver.out_norm
+        query, norm = weaver_step.weaver_step_rows(weaver, cache, nodes, tokens, depths, ancestors), weaver.out_norm
     else:
         query, norm = node_queries_compiled(nodes, weaver, cache, tokens, depths, ancestors), None
-    logits = weaver_round.rescore_pool(weaver.w_res, query, pool_ids, pool_logits, depths, nodes, norm=norm, pdl=pdl)
-    weaver_round.publish_children(logits, pool_ids, depths, scores, frontier_score, frontier_token, nodes, pdl=pdl)
+    logits = weaver_round.rescore_pool(weaver.w_res, query, pool_ids, pool_logits, depths, nodes, norm=norm)
+    weaver_round.publish_children(logits, pool_ids, depths, scores, frontier_score, frontier_token, nodes)
 
 
 # On CUDA each is one compiled function: inductor fuses the step's norms, RoPE, softmax and scoring into a few
@@ -102,15 +100,9 @@ expand_nodes_compiled = fuse_on_cuda(expand_nodes)
 node_queries_compiled = fuse_on_cuda(node_queries)
 place_nodes_compiled = fuse_on_cuda(reference.place_nodes_reference)
 # "torch": the compiled functions above; "triton": the round kernels around the compiled Weaver step;
-# "triton_fused": the Weaver step as Triton kernels too (a round is ~8 launches); "triton_fused_pdl": those
-# launches chained by programmatic dependent launch, each projection's weights requested while the kernel before
-# it runs (Hopper and later; elsewhere it runs as "triton_fused").
+# "triton_fused": the Weaver step as Triton kernels too (a round is ~8 launches).
 EXPANSIONS = {"torch": expand_nodes_compiled, "triton": expand_nodes_with_kernels,
-              "triton_fused": functools.partial(expand_nodes_with_kernels, fused_step=True),
-              "triton_fused_pdl": functools.partial(expand_nodes_with_kernels, fused_step=True, pdl=True)}
-PLACEMENTS = {"torch": place_nodes_compiled, "triton": weaver_round.place_nodes,
-              "triton_fused": weaver_round.place_nodes,
-              "triton_fused_pdl": functools.partial(weaver_round.place_nodes, pdl=True)}
+              "triton_fused": functools.partial(expand_nodes_with_kernels, fused_step=True)}
 ROUND_IMPLEMENTATIONS = tuple(EXPANSIONS)
 round_kernel_choice = MeasuredChoice(default="torch")
 
@@ -129,8 +121,7 @@ def build_weaver_tree(
     before children; distinct sibling tokens; depth ≤ K). The chain fallback for budget + 1 ≤ block size is
     the caller's. ``implementation`` (one of ROUND_IMPLEMENTATIONS; all grow the same tree up to rounding, equal
     in the fp32 tests): "torch" runs each round as compiled torch ops, "triton" its bookkeeping as the kernels
-    of ``kernels.tree_growth``, "triton_fused" the Weaver step too (``weaver_step``), "triton_fused_pdl" those
-    launches overlapped (``kernels.launch_overlap``); None (default) = the fastest, timed once per shape on CUDA (``round_kernel_choice``; "torch" elsewhere).
+    of ``kernels.tree_growth``, "triton_fused" the Weaver step too (``weaver_step``); None (default) = the fastest, timed once per shape on CUDA (``round_kernel_choice``; "torch" elsewhere).
     """
     K, V = logits.shape
     if K != weaver.config.K or h_dflash.shape[0] != K:
@@ -168,7 +159,7 @@ def build_weaver_tree(
     ancestors[:1, :1].fill_(True)  # (a Python-scalar setitem would copy from the host: not capturable)
 
     expand = EXPANSIONS[implementation]
-    place = PLACEMENTS[implementation]
+    place = place_nodes_compiled if implementation == "torch" else weaver_round.place_nodes
 
     def expand_round(nodes: torch.Tensor) -> None:
         expand(nodes, weaver, cache, tokens, depths, ancestors, scores, pool_ids, pool_logits, frontier_score,

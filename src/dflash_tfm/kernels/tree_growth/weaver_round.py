@@ -24,8 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dflash_tfm.kernels import use_pdl, use_triton
-from dflash_tfm.kernels.launch_overlap import await_predecessor
+from dflash_tfm.kernels import use_triton
 from dflash_tfm.kernels.tree_growth import reference
 from dflash_tfm.layers.measured_choice import MeasuredChoice
 
@@ -44,10 +43,9 @@ publish_choice = MeasuredChoice(default="default")
 
 @triton.jit
 def _rescore_pool_kernel(w_res, query, norm_w, norm_b, pool_ids, pool_logits, depths, nodes, out, P, D, K, eps,
-                         NORM: tl.constexpr, BP: tl.constexpr, BD: tl.constexpr, PDL: tl.constexpr):
+                         NORM: tl.constexpr, BP: tl.constexpr, BD: tl.constexpr):
     """Program (node i, pool block). out [W, P] fp32. NORM: the query row is first put through the Weaver's
-    output norm (fp32 statistics and affine, rounded to W_res's dtype). PDL: see ``launch_overlap``."""
-    await_predecessor(PDL)
+    output norm (fp32 statistics and affine, rounded to W_res's dtype)."""
     i = tl.program_id(0)
     offs_p = tl.program_id(1) * BP + tl.arange(0, BP)
     mask_p = offs_p < P
@@ -80,9 +78,8 @@ def _rescore_pool_kernel(w_res, query, norm_w, norm_b, pool_ids, pool_logits, de
 
 @triton.jit
 def _publish_children_kernel(logits, pool_ids, depths, scores, frontier_score, frontier_token, nodes, P, K,
-                             C: tl.constexpr, BP: tl.constexpr, FLOOR: tl.constexpr, PDL: tl.constexpr):
+                             C: tl.constexpr, BP: tl.constexpr, FLOOR: tl.constexpr):
     """Program i = node nodes[i]; logits [W, P] fp32 (re-scored), frontier rows [n, C]."""
-    await_predecessor(PDL)
     i = tl.program_id(0)
     slot = tl.load(nodes + i)
     offs = tl.arange(0, BP)
@@ -105,9 +102,8 @@ def _publish_children_kernel(logits, pool_ids, depths, scores, frontier_score, f
 
 @triton.jit
 def _place_nodes_kernel(flat_score, flat_token, tokens, parents, depths, scores, ancestors, nodes, E, N,
-                        W: tl.constexpr, C: tl.constexpr, BE: tl.constexpr, BN: tl.constexpr, PDL: tl.constexpr):
+                        W: tl.constexpr, C: tl.constexpr, BE: tl.constexpr, BN: tl.constexpr):
     """One program. flat_score / flat_token [E = N·C]; ancestors [N, N] as uint8."""
-    await_predecessor(PDL)
     offs_e = tl.arange(0, BE)
     s = tl.load(flat_score + offs_e, mask=offs_e < E, other=-float("inf"))
     offs_n = tl.arange(0, BN)
@@ -128,12 +124,10 @@ def _place_nodes_kernel(flat_score, flat_token, tokens, parents, depths, scores,
 
 
 def rescore_pool(w_res: torch.Tensor, query: torch.Tensor, pool_ids: torch.Tensor, pool_logits: torch.Tensor,
-                 depths: torch.Tensor, nodes: torch.Tensor, norm: WeaverNorm | None = None,
-                 pdl: bool = False) -> torch.Tensor:
+                 depths: torch.Tensor, nodes: torch.Tensor, norm: WeaverNorm | None = None) -> torch.Tensor:
     """Re-scored child logits ``[W, P]`` fp32 of node slots ``nodes [W]`` (query [W, D], output of
     ``Weaver.step``, or with ``norm`` = the Weaver's ``out_norm`` the step's rows before it); pool_ids /
-    pool_logits [K, P] (row d = candidates of depth d + 1); depths [n]. ``pdl``: the launch overlaps the previous
-    kernel's end (``launch_overlap``), as the two below."""
+    pool_logits [K, P] (row d = candidates of depth d + 1); depths [n]."""
     W, D = query.shape
     K, P = pool_ids.shape
     if not use_triton(query):
@@ -144,24 +138,21 @@ def rescore_pool(w_res: torch.Tensor, query: torch.Tensor, pool_ids: torch.Tenso
     out = torch.empty(W, P, dtype=torch.float32, device=query.device)
     weight, bias = (norm.weight, norm.bias) if norm is not None else (w_res, w_res)
     query = query.contiguous()
-    pdl = pdl and use_pdl(query)
 
     def launch(tile: str) -> None:  # writes `out` afresh from unchanged inputs: timing may repeat it
         BP, warps = RESCORE_TILES[tile]
         _rescore_pool_kernel[(W, triton.cdiv(P, BP))](
             w_res, query, weight, bias, pool_ids, pool_logits, depths, nodes, out, P, D, K, NORM_EPS,
-            NORM=norm is not None, BP=BP, BD=min(256, triton.next_power_of_2(D)), PDL=pdl, num_warps=warps,
-            launch_pdl=pdl)
+            NORM=norm is not None, BP=BP, BD=min(256, triton.next_power_of_2(D)), num_warps=warps)
 
-    key = (W, P, D, K, w_res.dtype, norm is not None, pdl)
+    key = (W, P, D, K, w_res.dtype, norm is not None)
     launch(rescore_choice.pick(key, lambda: {t: (lambda t=t: launch(t)) for t in RESCORE_TILES},
                                can_time=query.is_cuda))
     return out
 
 
 def publish_children(logits: torch.Tensor, pool_ids: torch.Tensor, depths: torch.Tensor, scores: torch.Tensor,
-                     frontier_score: torch.Tensor, frontier_token: torch.Tensor, nodes: torch.Tensor,
-                     pdl: bool = False) -> None:
+                     frontier_score: torch.Tensor, frontier_token: torch.Tensor, nodes: torch.Tensor) -> None:
     """Frontier rows ``nodes [W]`` ← each node's best ``c`` children (c = frontier width) from its
     re-scored pool ``logits [W, P]``: scores parent + log p (−inf for nodes at depth ≥ K), tokens from the pool."""
     if not use_triton(logits):
@@ -169,22 +160,21 @@ def publish_children(logits: torch.Tensor, pool_ids: torch.Tensor, depths: torch
         return
     W, P = logits.shape
     K = pool_ids.shape[0]
-    pdl = pdl and use_pdl(logits)
 
     def launch(warps: str) -> None:  # rewrites the same frontier rows from unchanged inputs: timing may repeat it
         _publish_children_kernel[(W,)](
             logits, pool_ids, depths, scores, frontier_score, frontier_token, nodes, P, K,
-            C=frontier_score.shape[1], BP=triton.next_power_of_2(P), FLOOR=LOGPROB_FLOOR, PDL=pdl,
-            num_warps=PUBLISH_WARPS[warps], launch_pdl=pdl)
+            C=frontier_score.shape[1], BP=triton.next_power_of_2(P), FLOOR=LOGPROB_FLOOR,
+            num_warps=PUBLISH_WARPS[warps])
 
-    key = (W, P, K, frontier_score.shape[1], pdl)
+    key = (W, P, K, frontier_score.shape[1])
     launch(publish_choice.pick(key, lambda: {w: (lambda w=w: launch(w)) for w in PUBLISH_WARPS},
                                can_time=logits.is_cuda))
 
 
 def place_nodes(flat_score: torch.Tensor, flat_token: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor,
                 depths: torch.Tensor, scores: torch.Tensor, ancestors: torch.Tensor, nodes: torch.Tensor,
-                children: int, pdl: bool = False) -> None:
+                children: int) -> None:
     """Node slots ``nodes [W]`` ← the best W frontier entries (entry = parent · children + rank), best first,
     each consumed (−inf); ``check_fillable`` guarantees that many live entries."""
     if not use_triton(flat_score):
@@ -192,8 +182,7 @@ def place_nodes(flat_score: torch.Tensor, flat_token: torch.Tensor, tokens: torc
                                         nodes, children)
         return
     N = ancestors.shape[0]
-    pdl = pdl and use_pdl(flat_score)
     _place_nodes_kernel[(1,)](
         flat_score, flat_token, tokens, parents, depths, scores, ancestors.view(torch.uint8), nodes,
         flat_score.numel(), N, W=nodes.shape[0], C=children, BE=triton.next_power_of_2(flat_score.numel()),
-        BN=triton.next_power_of_2(N), PDL=pdl, num_warps=4, launch_pdl=pdl)
+        BN=triton.next_power_of_2(N), num_warps=4)

@@ -27,8 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dflash_tfm.kernels import use_pdl, use_triton
-from dflash_tfm.kernels.launch_overlap import await_predecessor, prefetch_rows_l2
+from dflash_tfm.kernels import use_triton
 from dflash_tfm.layers.measured_choice import MeasuredChoice
 
 if TYPE_CHECKING:
@@ -58,7 +57,7 @@ def _rows_matmul_kernel(
     M, N, K, KPOS, K_SPLIT, eps,
     GATHER: tl.constexpr, POS: tl.constexpr, NORM: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
     RESIDUAL: tl.constexpr, PRECISION: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    SPLIT: tl.constexpr, LATE: tl.constexpr, PDL: tl.constexpr, LINE: tl.constexpr,
+    SPLIT: tl.constexpr, LATE: tl.constexpr,
 ):
     """Grid (cdiv(N, BN), SPLIT): y [M, N] = act(norm(rows) · wᵀ + bias) (+ res [M, N]).
 
@@ -76,21 +75,9 @@ def _rows_matmul_kernel(
     b · wᵀ with r the row's rsqrt statistic, so no program reads all of its rows' K columns before streaming its
     weights (the statistic is summed alongside, slice by slice, and applied in the epilogue). It rounds x ⊙ g
     rather than the normed row to the weight dtype. Split launches keep b · wᵀ and the statistic's slices in
-    ``late [SPLIT, 2·N + tiles·M]`` fp32.
-
-    PDL (launched with programmatic dependent launch): the program first asks L2 for its weight slice (LINE
-    elements per 128-byte line), which no earlier kernel writes, then waits for the previous kernel
-    (``launch_overlap``), so the weights stream while that kernel finishes."""
+    ``late [SPLIT, 2·N + tiles·M]`` fp32."""
     pid = tl.program_id(0)
     sid = tl.program_id(1)
-    offs_n = pid * BN + tl.arange(0, BN)
-    if PDL:
-        k_lo = sid * K_SPLIT
-        k_hi = tl.minimum(k_lo + K_SPLIT, K)
-        prefetch_rows_l2(w, offs_n, N, K, k_lo, k_hi, LINE, 8)
-        if ACT == 1:  # SwiGLU's up rows
-            prefetch_rows_l2(w, N + tl.minimum(offs_n, N - 1), 2 * N, K, k_lo, k_hi, LINE, 8)
-    await_predecessor(PDL)
     offs_m = tl.arange(0, BM)
     mm = offs_m < M
     row_base = offs_m.to(tl.int64) * K
@@ -111,6 +98,7 @@ def _rows_matmul_kernel(
                     tl.store(x_out + offs_m[:, None] * K + offs_k[None, :], a.to(x_out.dtype.element_ty),
                              mask=mm[:, None] & km[None, :])
         r = tl.rsqrt(sq / K + eps)
+    offs_n = pid * BN + tl.arange(0, BN)
     nm = offs_n < N
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     acc_up = tl.zeros([BM, BN], dtype=tl.float32)
@@ -214,11 +202,10 @@ def _rotate_half(x1, x2, c1, c2, s1, s2, dtype):
 @triton.jit
 def _node_attention_kernel(
     qkv, cache_k, cache_v, cos, sin, nodes, depths, ancestors, out, P, NSLOTS, H, KPOS, scale,
-    ROTARY: tl.constexpr, D: tl.constexpr, BT: tl.constexpr, PDL: tl.constexpr,
+    ROTARY: tl.constexpr, D: tl.constexpr, BT: tl.constexpr,
 ):
     """Program (node row i, head h). qkv [W, 3·H·D] (q | k | v); cache_k / cache_v [P + NSLOTS, H, D] (this layer);
     cos / sin [KPOS + 2, D] fp32; ancestors [NSLOTS, NSLOTS] uint8 (inclusive); out [W, H·D]."""
-    await_predecessor(PDL)
     i = tl.program_id(0)
     h = tl.program_id(1)
     dtype = out.dtype.element_ty
@@ -325,11 +312,9 @@ def _rows_matmul(
     x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, *, norm: WeaverNorm | None = None,
     bias: torch.Tensor | None = None, act: int = NO_ACT, res: torch.Tensor | None = None,
     gather: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor] | None = None,
-    pdl: bool = False,
 ) -> None:
     """y ← act(norm(rows) · weightᵀ + bias) (+ res). ``gather`` = (tokens, nodes, depths, pos_emb or None, x_out):
-    the rows are x[tokens[nodes]] (+ pos_emb), stored to x_out. ``pdl``: launched to overlap the previous kernel
-    (where ``use_pdl`` allows it)."""
+    the rows are x[tokens[nodes]] (+ pos_emb), stored to x_out."""
     from dflash_tfm.spec.weaver import NORM_EPS
 
     M, N = y.shape
@@ -337,7 +322,7 @@ def _rows_matmul(
     tokens, nodes, depths, pos_emb, x_out = gather if gather is not None else (y, y, y, None, y)
     dummy = weight
     flags = dict(GATHER=gather is not None, POS=pos_emb is not None, NORM=norm is not None, ACT=act,
-                 HAS_BIAS=bias is not None, RESIDUAL=res is not None, PDL=pdl and use_pdl(weight))
+                 HAS_BIAS=bias is not None, RESIDUAL=res is not None)
 
     def launch(tile: str) -> None:
         BN, BK, warps, stages, split = (ROW_TILES[tile] or (_block_n(N), 128, 4, 3, 1))[:5]
@@ -357,8 +342,7 @@ def _rows_matmul(
             norm.bias if norm is not None else dummy, weight, bias if bias is not None else dummy, y, partial,
             late_sums, arrivals, M, N, K, pos_emb.shape[0] if pos_emb is not None else 1, k_split, NORM_EPS,
             **flags, PRECISION="ieee" if weight.dtype == torch.float32 else "tf32",
-            BM=MAX_ROWS, BN=BN, BK=BK, SPLIT=split, LATE=late, LINE=128 // weight.element_size(),
-            num_warps=warps, num_stages=stages, launch_pdl=flags["PDL"])
+            BM=MAX_ROWS, BN=BN, BK=BK, SPLIT=split, LATE=late, num_warps=warps, num_stages=stages)
 
     if not (y.is_cuda and torch.cuda.is_current_stream_capturing()):
         _arrival_counters(y.device)  # now: the choice below times its candidates inside CUDA graphs
@@ -371,16 +355,14 @@ def _rows_matmul(
 
 
 def weaver_step_rows(weaver: Weaver, cache: WeaverCache, nodes: torch.Tensor, tokens: torch.Tensor,
-                     depths: torch.Tensor, ancestors: torch.Tensor, pdl: bool = False) -> torch.Tensor:
+                     depths: torch.Tensor, ancestors: torch.Tensor) -> torch.Tensor:
     """``Weaver.step`` of node slots ``nodes`` [W] before its ``out_norm``: x [W, d_rank], the nodes' K/V written
     into ``cache``. tokens, depths [N] long and ancestors [N, N] bool are the tree's whole buffers (read at
-    ``nodes`` on the device). No node of ``nodes`` may be an ancestor of another (module docstring). ``pdl``: every
-    launch overlaps the previous kernel's end (``launch_overlap``; where ``use_pdl`` allows it)."""
+    ``nodes`` on the device). No node of ``nodes`` may be an ancestor of another (module docstring)."""
     if not use_triton(nodes):
         return weaver.step_rows(cache, nodes, tokens[nodes], depths[nodes], ancestors[nodes])
     cfg = weaver.config
     W, d, N = nodes.shape[0], cfg.d_rank, ancestors.shape[0]
-    pdl = pdl and use_pdl(nodes)
     if not 1 <= W <= MAX_ROWS:
         raise ValueError(f"the fused Weaver step takes 1 … {MAX_ROWS} nodes, got {W}")
     if cfg.head_dim & (cfg.head_dim - 1) or cfg.head_dim < 2:
@@ -394,20 +376,19 @@ def weaver_step_rows(weaver: Weaver, cache: WeaverCache, nodes: torch.Tensor, to
         if layer == 0:
             pos_emb = None if cfg.rotary else weaver.pos_emb
             _rows_matmul(weaver.token_table, block.qkv_proj.weight, qkv, norm=block.norm_attn,
-                         gather=(tokens, nodes, depths, pos_emb, x), pdl=pdl)
+                         gather=(tokens, nodes, depths, pos_emb, x))
         else:
-            _rows_matmul(x, block.qkv_proj.weight, qkv, norm=block.norm_attn, pdl=pdl)
+            _rows_matmul(x, block.qkv_proj.weight, qkv, norm=block.norm_attn)
         attn = new(d)
         _node_attention_kernel[(W, cfg.num_heads)](
             qkv, cache.k[layer], cache.v[layer], cos, sin, nodes, depths, ancestors.view(torch.uint8), attn,
             cache.prefix_len, N, cfg.num_heads, cfg.K, cfg.head_dim ** -0.5,
-            ROTARY=cfg.rotary, D=cfg.head_dim, BT=32, PDL=pdl, num_warps=4, launch_pdl=pdl)
+            ROTARY=cfg.rotary, D=cfg.head_dim, BT=32, num_warps=4)
         x1 = new(d)
-        _rows_matmul(attn, block.o_proj.weight, x1, res=x, pdl=pdl)
+        _rows_matmul(attn, block.o_proj.weight, x1, res=x)
         up, down = (block.gate_up_proj, block.down_proj) if block.swiglu else (block.fc1, block.fc2)
         act = new(cfg.mlp_dim)
-        _rows_matmul(x1, up.weight, act, norm=block.norm_mlp, bias=up.bias, act=SWIGLU if block.swiglu else GELU,
-                     pdl=pdl)
+        _rows_matmul(x1, up.weight, act, norm=block.norm_mlp, bias=up.bias, act=SWIGLU if block.swiglu else GELU)
         x = new(d)
-        _rows_matmul(act, down.weight, x, bias=down.bias, res=x1, pdl=pdl)
+        _rows_matmul(act, down.weight, x, bias=down.bias, res=x1)
     return x
