@@ -15,7 +15,7 @@ from dflash_tfm.layers.compile import fuse_on_cuda
 from dflash_tfm.layers.linear import linear
 from dflash_tfm.layers.measured_choice import MeasuredChoice
 from dflash_tfm.layers.norm import RMSNorm, rms_norm
-from dflash_tfm.layers.rotary import RotaryEmbedding, apply_rotary
+from dflash_tfm.layers.rotary import RotaryEmbedding, apply_rotary, apply_rotary_to_keys
 
 
 class Attention(nn.Module):
@@ -114,6 +114,16 @@ def qk_norm_rope(
     if q_norm is not None:
         q, k = rms_norm.__wrapped__(q, q_norm, eps, plus_one), rms_norm.__wrapped__(k, k_norm, eps, plus_one)
     return apply_rotary(q, k, cos_table, sin_table, positions, rotary_dim)
+
+
+@fuse_on_cuda
+def k_norm_rope(
+    k: torch.Tensor, k_norm: torch.Tensor, eps: float, plus_one: bool, cos_table: torch.Tensor,
+    sin_table: torch.Tensor, positions: torch.Tensor, rotary_dim: int,
+) -> torch.Tensor:
+    """:func:`qk_norm_rope` of keys alone (a drafter's context keys)."""
+    return apply_rotary_to_keys(rms_norm.__wrapped__(k, k_norm, eps, plus_one), cos_table, sin_table, positions,
+                                rotary_dim)
 
 
 @fuse_on_cuda

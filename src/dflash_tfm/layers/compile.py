@@ -28,9 +28,11 @@ def enabled() -> bool:
 MAX_FUSED_TOKENS = 512
 
 
-def small_enough_to_fuse(x: torch.Tensor) -> bool:
-    """At most MAX_FUSED_TOKENS tokens: the product of x's first two dims ([B, T, ...], or [W] slots)."""
-    return x.shape[:2].numel() <= MAX_FUSED_TOKENS
+def small_enough_to_fuse(x: torch.Tensor, count_rows: bool = False) -> bool:
+    """At most MAX_FUSED_TOKENS tokens: the product of x's first two dims ([B, T, ...], or [W] slots), or with
+    `count_rows` its rows (every dim but the last: a [rows, features] matrix)."""
+    tokens = x.shape[:-1].numel() if count_rows else x.shape[:2].numel()
+    return tokens <= MAX_FUSED_TOKENS
 
 
 # One process sees a handful of variants per helper (decode, a few tree sizes, dtypes, inference mode or
@@ -38,9 +40,9 @@ def small_enough_to_fuse(x: torch.Tensor) -> bool:
 RECOMPILE_LIMIT = 32
 
 
-def fuse_on_cuda(fn: F) -> F:
+def fuse_on_cuda(fn: F, count_rows: bool = False) -> F:
     """Run `fn` compiled (lazily, on first use) when its first tensor argument is a CUDA tensor
-    `small_enough_to_fuse`. Not `fullgraph`: should dynamo ever give up on a
+    `small_enough_to_fuse` (`count_rows`: see there). Not `fullgraph`: should dynamo ever give up on a
     call (recompile limit, an unsupported op), that call runs eagerly rather than raising."""
     compiled: Callable | None = None
 
@@ -48,7 +50,7 @@ def fuse_on_cuda(fn: F) -> F:
     def wrapper(*args, **kwargs):
         nonlocal compiled
         x = args[0]
-        if x.is_cuda and enabled() and small_enough_to_fuse(x):
+        if x.is_cuda and enabled() and small_enough_to_fuse(x, count_rows):
             if compiled is None:
                 torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
                 compiled = torch.compile(fn)

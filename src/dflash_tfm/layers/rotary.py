@@ -37,6 +37,15 @@ def apply_rotary(
     return _rotate(q, cos, sin, rotary_dim), _rotate(k, cos, sin, rotary_dim)
 
 
+def apply_rotary_to_keys(
+    k: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor, positions: torch.Tensor, rotary_dim: int,
+) -> torch.Tensor:
+    """:func:`apply_rotary` of keys alone (k [B, T, Hkv, D]; cached context keys have no queries)."""
+    cos = cos_table[positions].unsqueeze(2).to(k.dtype)
+    sin = sin_table[positions].unsqueeze(2).to(k.dtype)
+    return _rotate(k, cos, sin, rotary_dim)
+
+
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int) -> torch.Tensor:
     rot, passthrough = x[..., :rotary_dim], x[..., rotary_dim:]
     half = rotary_dim // 2

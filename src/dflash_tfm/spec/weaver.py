@@ -34,6 +34,7 @@ from torch import nn
 
 from dflash_tfm.config import ModelConfig
 from dflash_tfm.kernels.tree_growth.reference import pool_logits_plus_residual
+from dflash_tfm.layers.compile import fuse_on_cuda
 from dflash_tfm.loading.errors import CheckpointError, CheckpointNotFoundError
 
 ACTIVATIONS = ("swiglu", "gelu")
@@ -172,6 +173,26 @@ class WeaverBlock(nn.Module):
         return x + self.fc2(F.gelu(self.fc1(h)))
 
 
+def _fill_prefix(h_dflash: torch.Tensor, h_target: torch.Tensor, weaver: Weaver, cache: WeaverCache) -> None:
+    """The prefix rows of :meth:`Weaver.encode_prefix`, their K/V written into ``cache`` rows 0 … P − 1."""
+    cfg, P = weaver.config, cache.prefix_len
+    feats = torch.cat([h_target.reshape(1, -1), h_dflash], 0).to(cache.k.dtype)
+    x = weaver.proposal_in(weaver.output_norm(feats))  # [P, d_rank]
+    if not cfg.rotary:
+        x = torch.cat([x[:1], x[1:] + weaver.pos_emb], 0)
+    causal = torch.ones(P, P, dtype=torch.bool, device=x.device).tril()
+    rope = weaver._rope(slice(0, P))
+    for layer, block in enumerate(weaver.blocks):
+        q, k, v = block.project_qkv(x, rope)
+        cache.k[layer, :P], cache.v[layer, :P] = k, v
+        x = block.finish(x, _attend(q, k, v, causal))
+
+
+# Once per tree on CUDA, one compiled function: the prefix's three norms, RoPE and softmax are otherwise ~40
+# launches of a few µs each (docs/PERFORMANCE.md, session 15). Sized by its K + 1 rows.
+fill_prefix = fuse_on_cuda(_fill_prefix, count_rows=True)
+
+
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate-half RoPE over the full head dim, in fp32: x [T, heads, hd], cos/sin [T, hd]."""
     xf = x.float()
@@ -243,20 +264,11 @@ class Weaver(nn.Module):
         h_target [d_model]: the target's final-normed hidden state at the last committed token (row 0);
         h_dflash [K, d_model]: the drafter's final-normed hidden states for depths 1…K (rows 1…K, + pos_emb).
         """
-        cfg, p = self.config, self.token_in.weight
-        feats = torch.cat([h_target.reshape(1, -1), h_dflash], 0).to(p.dtype)
-        x = self.proposal_in(self.output_norm(feats))  # [P, d_rank]
-        if not cfg.rotary:
-            x = torch.cat([x[:1], x[1:] + self.pos_emb], 0)
-        P = cfg.prefix_len
-        shape = (cfg.num_layers, P + num_nodes, cfg.num_heads, cfg.head_dim)
-        cache = WeaverCache(x.new_zeros(shape), x.new_zeros(shape), P)
-        causal = torch.ones(P, P, dtype=torch.bool, device=x.device).tril()
-        rope = self._rope(slice(0, P))
-        for layer, block in enumerate(self.blocks):
-            q, k, v = block.project_qkv(x, rope)
-            cache.k[layer, :P], cache.v[layer, :P] = k, v
-            x = block.finish(x, _attend(q, k, v, causal))
+        cfg, dtype = self.config, self.token_in.weight.dtype
+        shape = (cfg.num_layers, cfg.prefix_len + num_nodes, cfg.num_heads, cfg.head_dim)
+        cache = WeaverCache(h_dflash.new_zeros(shape, dtype=dtype), h_dflash.new_zeros(shape, dtype=dtype),
+                            cfg.prefix_len)
+        fill_prefix(h_dflash, h_target, self, cache)
         return cache
 
     def step(
