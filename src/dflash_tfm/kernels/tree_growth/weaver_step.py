@@ -53,29 +53,23 @@ def _input_tile(x, row_base, pos_base, mm, k0, K, POS: tl.constexpr, BK: tl.cons
 
 @triton.jit
 def _rows_matmul_kernel(
-    x, res, x_out, tokens, nodes, depths, pos_emb, norm_w, norm_b, w, bias, y, partial, late, arrivals,
+    x, res, x_out, tokens, nodes, depths, pos_emb, norm_w, norm_b, w, bias, y, partial, arrivals,
     M, N, K, KPOS, K_SPLIT, eps,
     GATHER: tl.constexpr, POS: tl.constexpr, NORM: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
     RESIDUAL: tl.constexpr, PRECISION: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    SPLIT: tl.constexpr, LATE: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):
     """Grid (cdiv(N, BN), SPLIT): y [M, N] = act(norm(rows) · wᵀ + bias) (+ res [M, N]).
 
     rows [M, K]: x itself, or (GATHER) the table x at row tokens[nodes[r]] (+ pos_emb[min(depths[nodes[r]],
-    KPOS − 1)]), which program (0, 0) also writes to x_out (LATE: programs (0, ·), a K slice each). w [N, K]
-    row-major, or (SWIGLU) [2N, K] = gate rows then up rows, y = silu(gate) · up.
+    KPOS − 1)]), which program (0, 0) also writes to x_out. w [N, K] row-major, or (SWIGLU) [2N, K] = gate rows
+    then up rows, y = silu(gate) · up.
 
     SPLIT > 1 splits K into slices of K_SPLIT (more programs keep more weight bytes in flight: a round's
     projections have ≤ 16 rows, so one program per N tile leaves the H200 at ~1.5 TB/s). Each program stores
     its fp32 partial sums to ``partial [SPLIT, 2, M, N]`` and counts itself in ``arrivals [cdiv(N, BN)]``
     (int32, zero between launches); the last program of a tile adds the partials in slice order (the result
-    does not depend on which program came last), runs the epilogue and zeroes its counter again.
-
-    LATE (with NORM) applies the norm after the product instead of before it: norm(x) · wᵀ = r ⊙ ((x ⊙ g) · wᵀ) +
-    b · wᵀ with r the row's rsqrt statistic, so no program reads all of its rows' K columns before streaming its
-    weights (the statistic is summed alongside, slice by slice, and applied in the epilogue). It rounds x ⊙ g
-    rather than the normed row to the weight dtype. Split launches keep b · wᵀ and the statistic's slices in
-    ``late [SPLIT, 2·N + tiles·M]`` fp32."""
+    does not depend on which program came last), runs the epilogue and zeroes its counter again."""
     pid = tl.program_id(0)
     sid = tl.program_id(1)
     offs_m = tl.arange(0, BM)
@@ -88,7 +82,7 @@ def _rows_matmul_kernel(
         if POS:
             pos_base = pos_emb + tl.minimum(tl.load(depths + slot, mask=mm, other=0), KPOS - 1).to(tl.int64) * K
     r = tl.zeros([BM], dtype=tl.float32)
-    if NORM and not LATE:  # statistics of every row over all K (rows are tiny next to the weight tile streamed)
+    if NORM:  # statistics of every row over all K (rows are tiny next to the weight tile each program streams)
         sq = tl.zeros([BM], dtype=tl.float32)
         for k0 in range(0, K, BK):
             a, offs_k, km = _input_tile(x, row_base, pos_base, mm, k0, K, POS, BK)
@@ -102,39 +96,20 @@ def _rows_matmul_kernel(
     nm = offs_n < N
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     acc_up = tl.zeros([BM, BN], dtype=tl.float32)
-    acc_b = tl.zeros([BN], dtype=tl.float32)  # LATE: b · wᵀ (and its up half), the rows' sums of squares
-    acc_bu = tl.zeros([BN], dtype=tl.float32)
-    sq = tl.zeros([BM], dtype=tl.float32)
     for k0 in range(sid * K_SPLIT, tl.minimum(sid * K_SPLIT + K_SPLIT, K), BK):
         a, offs_k, km = _input_tile(x, row_base, pos_base, mm, k0, K, POS, BK)
         if NORM:  # WeaverNorm: (x · r) · weight + bias in fp32, then the Weaver dtype
             g = tl.load(norm_w + offs_k, mask=km, other=0.0).to(tl.float32)
             b = tl.load(norm_b + offs_k, mask=km, other=0.0).to(tl.float32)
-            if LATE:
-                if GATHER:
-                    if pid == 0:  # each K slice's program of tile 0 stores its columns of the residual
-                        tl.store(x_out + offs_m[:, None] * K + offs_k[None, :], a.to(x_out.dtype.element_ty),
-                                 mask=mm[:, None] & km[None, :])
-                sq += tl.sum(a * a, axis=1)
-                a = a * g[None, :]
-            else:
-                a = a * r[:, None] * g[None, :] + b[None, :]
+            a = a * r[:, None] * g[None, :] + b[None, :]
         a = a.to(w.dtype.element_ty)
         wmask = nm[None, :] & km[:, None]
-        w_t = tl.load(w + offs_n[None, :] * K + offs_k[:, None], mask=wmask, other=0.0)
-        acc += tl.dot(a, w_t, input_precision=PRECISION)
-        if NORM and LATE:
-            acc_b += tl.sum(b[:, None] * w_t.to(tl.float32), axis=0)
+        acc += tl.dot(a, tl.load(w + offs_n[None, :] * K + offs_k[:, None], mask=wmask, other=0.0),
+                      input_precision=PRECISION)
         if ACT == 1:
-            w_u = tl.load(w + (N + offs_n)[None, :] * K + offs_k[:, None], mask=wmask, other=0.0)
-            acc_up += tl.dot(a, w_u, input_precision=PRECISION)
-            if NORM and LATE:
-                acc_bu += tl.sum(b[:, None] * w_u.to(tl.float32), axis=0)
+            acc_up += tl.dot(a, tl.load(w + (N + offs_n)[None, :] * K + offs_k[:, None], mask=wmask, other=0.0),
+                             input_precision=PRECISION)
     if SPLIT == 1:
-        if NORM and LATE:
-            r = tl.rsqrt(sq / K + eps)
-            acc = acc * r[:, None] + acc_b[None, :]
-            acc_up = acc_up * r[:, None] + acc_bu[None, :]
         _rows_epilogue(acc, acc_up, res, bias, y, offs_m, offs_n, mm, nm, N, ACT, HAS_BIAS, RESIDUAL)
     else:
         omask = mm[:, None] & nm[None, :]
@@ -142,32 +117,15 @@ def _rows_matmul_kernel(
         tl.store(partial + (2 * sid) * M * N + tile, acc, mask=omask)
         if ACT == 1:
             tl.store(partial + (2 * sid + 1) * M * N + tile, acc_up, mask=omask)
-        late_row = late + sid * (2 * N + tl.num_programs(0) * M)
-        if NORM and LATE:
-            tl.store(late_row + offs_n, acc_b, mask=nm)
-            tl.store(late_row + N + offs_n, acc_bu, mask=nm)
-            tl.store(late_row + 2 * N + pid * M + offs_m, sq, mask=mm)
         tl.debug_barrier()  # every thread's partials written before the (release) count
         if tl.atomic_add(arrivals + pid, 1) == SPLIT - 1:  # (acquire) the other slices' partials are visible
             acc = tl.zeros([BM, BN], dtype=tl.float32)
             acc_up = tl.zeros([BM, BN], dtype=tl.float32)
-            acc_b = tl.zeros([BN], dtype=tl.float32)
-            acc_bu = tl.zeros([BN], dtype=tl.float32)
-            sq = tl.zeros([BM], dtype=tl.float32)
             for j in tl.static_range(SPLIT):  # slice order: deterministic
                 acc += tl.load(partial + (2 * j) * M * N + tile, mask=omask, other=0.0, cache_modifier=".cg")
                 if ACT == 1:
                     acc_up += tl.load(partial + (2 * j + 1) * M * N + tile, mask=omask, other=0.0,
                                       cache_modifier=".cg")
-                if NORM and LATE:
-                    row_j = late + j * (2 * N + tl.num_programs(0) * M)
-                    acc_b += tl.load(row_j + offs_n, mask=nm, other=0.0, cache_modifier=".cg")
-                    acc_bu += tl.load(row_j + N + offs_n, mask=nm, other=0.0, cache_modifier=".cg")
-                    sq += tl.load(row_j + 2 * N + pid * M + offs_m, mask=mm, other=0.0, cache_modifier=".cg")
-            if NORM and LATE:
-                r = tl.rsqrt(sq / K + eps)
-                acc = acc * r[:, None] + acc_b[None, :]
-                acc_up = acc_up * r[:, None] + acc_bu[None, :]
             _rows_epilogue(acc, acc_up, res, bias, y, offs_m, offs_n, mm, nm, N, ACT, HAS_BIAS, RESIDUAL)
             tl.store(arrivals + pid, 0)
 
@@ -271,28 +229,16 @@ def _block_n(n: int) -> int:
     return 16 if n <= 2048 else 32  # enough programs to keep the weight stream in flight
 
 
-# Tiles (BN, BK, warps, stages, K slices[, late norm]) of `_rows_matmul_kernel`, timed per shape (`rows_matmul_choice`).
+# Tiles (BN, BK, warps, stages, K slices) of `_rows_matmul_kernel`, timed per shape (`rows_matmul_choice`).
 # Session 10's H200 profile: the default tiles streamed the Weaver's 59 MB per round at ~0.8 TB/s (1.17 ms of a
 # budget-128 tree's 2.02 ms), cuBLAS the same projections at ~1.5 TB/s: wider K steps and more stages keep more
 # weight bytes in flight per program. Session 13's profile: the best of those still ran at ~1.4 TB/s (0.66 ms
 # of a budget-64 tree's 1.52 ms) with one program per N tile, hence the tiles that split K over 2–8 programs.
-# Session 14: "late" tiles (only for projections with a norm) apply the norm in the epilogue (LATE), so the
-# qkv and gate_up projections no longer read all their rows' columns in each program before streaming weights.
 ROW_TILES = {"default": None, "n16 k256 s4": (16, 256, 4, 4, 1), "n32 k256 s4": (32, 256, 4, 4, 1),
              "n64 k256 w8": (64, 256, 8, 3, 1), "n16 k512 s3": (16, 512, 4, 3, 1), "n32 k512 w8": (32, 512, 8, 2, 1),
              "n16 k128 s4 x4": (16, 128, 4, 4, 4), "n16 k256 s3 x2": (16, 256, 4, 3, 2),
-             "n32 k128 s4 x4": (32, 128, 4, 4, 4), "n32 k64 s4 x8": (32, 64, 4, 4, 8),
-             "n32 k256 s4 late": (32, 256, 4, 4, 1, True), "n32 k128 s4 x4 late": (32, 128, 4, 4, 4, True),
-             "n16 k128 s4 x4 late": (16, 128, 4, 4, 4, True), "n32 k64 s4 x8 late": (32, 64, 4, 4, 8, True)}
+             "n32 k128 s4 x4": (32, 128, 4, 4, 4), "n32 k64 s4 x8": (32, 64, 4, 4, 8)}
 rows_matmul_choice = MeasuredChoice(default="default")
-
-
-def is_late_norm(tile: str) -> bool:
-    """Whether `tile` applies a projection's norm in the epilogue (the tuple's optional sixth entry)."""
-    shape = ROW_TILES[tile]
-    return bool(shape and shape[5:] and shape[5])
-
-
 _arrivals: dict[torch.device, torch.Tensor] = {}  # per device: the split tiles' counters, zero between launches
 MAX_TILES = 4096
 
@@ -325,8 +271,7 @@ def _rows_matmul(
                  HAS_BIAS=bias is not None, RESIDUAL=res is not None)
 
     def launch(tile: str) -> None:
-        BN, BK, warps, stages, split = (ROW_TILES[tile] or (_block_n(N), 128, 4, 3, 1))[:5]
-        late = is_late_norm(tile)
+        BN, BK, warps, stages, split = ROW_TILES[tile] or (_block_n(N), 128, 4, 3, 1)
         k_split = triton.cdiv(K, split)
         BK = max(16, min(BK, triton.next_power_of_2(k_split)))  # (tl.dot needs K steps of >= 16)
         k_split = triton.cdiv(k_split, BK) * BK  # whole BK steps per slice
@@ -334,22 +279,20 @@ def _rows_matmul(
         if split > 1 and tiles > MAX_TILES:
             raise ValueError(f"a K-split projection takes at most {MAX_TILES} tiles of {BN} columns, got N = {N}")
         partial = y.new_empty(split, 2, M, N, dtype=torch.float32) if split > 1 else dummy
-        late_sums = y.new_empty(split, 2 * N + tiles * M, dtype=torch.float32) if split > 1 and late else dummy
         arrivals = _arrival_counters(y.device) if split > 1 else dummy
         _rows_matmul_kernel[(tiles, split)](
             x, res if res is not None else dummy, x_out, tokens, nodes, depths,
             pos_emb if pos_emb is not None else dummy, norm.weight if norm is not None else dummy,
             norm.bias if norm is not None else dummy, weight, bias if bias is not None else dummy, y, partial,
-            late_sums, arrivals, M, N, K, pos_emb.shape[0] if pos_emb is not None else 1, k_split, NORM_EPS,
-            **flags, PRECISION="ieee" if weight.dtype == torch.float32 else "tf32",
-            BM=MAX_ROWS, BN=BN, BK=BK, SPLIT=split, LATE=late, num_warps=warps, num_stages=stages)
+            arrivals, M, N, K, pos_emb.shape[0] if pos_emb is not None else 1, k_split, NORM_EPS, **flags,
+            PRECISION="ieee" if weight.dtype == torch.float32 else "tf32",
+            BM=MAX_ROWS, BN=BN, BK=BK, SPLIT=split, num_warps=warps, num_stages=stages)
 
     if not (y.is_cuda and torch.cuda.is_current_stream_capturing()):
         _arrival_counters(y.device)  # now: the choice below times its candidates inside CUDA graphs
     # Every launch writes fresh outputs from unchanged inputs (x_out gets the same rows), so timing may repeat it.
     key = (M, N, K, weight.dtype, *flags.values())
-    timed = [t for t in ROW_TILES if norm is not None or not is_late_norm(t)]  # (late = plain without a norm)
-    tile = rows_matmul_choice.pick(key, lambda: {t: (lambda t=t: launch(t)) for t in timed},
+    tile = rows_matmul_choice.pick(key, lambda: {t: (lambda t=t: launch(t)) for t in ROW_TILES},
                                    can_time=weight.is_cuda)
     launch(tile)
 
