@@ -19,3 +19,12 @@ def test_decode_verify_and_draft_shapes_fuse(shape):
 @pytest.mark.parametrize("shape", [(1, 2048, 5120), (1, 600, 24, 256), (2, 300, 5120)])
 def test_prefill_chunks_stay_eager(shape):
     assert not small_enough_to_fuse(torch.empty(shape, device="meta"))
+
+
+def test_row_counted_helpers_fuse_by_rows():
+    """`count_rows`: a [rows, features] input (the Weaver prefix: K + 1 = 16 rows of the 5120-wide target hidden)
+    fuses by its rows, where counting its first two dims would call it 81920 tokens; a long one stays eager."""
+    prefix = torch.empty(16, 5120, device="meta")
+    assert not small_enough_to_fuse(prefix)
+    assert small_enough_to_fuse(prefix, count_rows=True)
+    assert not small_enough_to_fuse(torch.empty(4096, 2048, device="meta"), count_rows=True)
