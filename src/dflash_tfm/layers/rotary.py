@@ -32,8 +32,7 @@ def apply_rotary(
     rotary_dim: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pure-tensor form (fusable): tables [max_pos, rotary_dim] fp32, gathered at `positions`."""
-    cos = cos_table[positions].unsqueeze(2).to(q.dtype)
-    sin = sin_table[positions].unsqueeze(2).to(q.dtype)
+    cos, sin = _angles(cos_table, sin_table, positions, q.dtype)
     return _rotate(q, cos, sin, rotary_dim), _rotate(k, cos, sin, rotary_dim)
 
 
@@ -41,9 +40,13 @@ def apply_rotary_to_keys(
     k: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor, positions: torch.Tensor, rotary_dim: int,
 ) -> torch.Tensor:
     """:func:`apply_rotary` of keys alone (k [B, T, Hkv, D]; cached context keys have no queries)."""
-    cos = cos_table[positions].unsqueeze(2).to(k.dtype)
-    sin = sin_table[positions].unsqueeze(2).to(k.dtype)
-    return _rotate(k, cos, sin, rotary_dim)
+    return _rotate(k, *_angles(cos_table, sin_table, positions, k.dtype), rotary_dim)
+
+
+def _angles(cos_table: torch.Tensor, sin_table: torch.Tensor, positions: torch.Tensor,
+            dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin at `positions` [B, T] as [B, T, 1, rotary_dim] in `dtype` (broadcast over heads)."""
+    return cos_table[positions].unsqueeze(2).to(dtype), sin_table[positions].unsqueeze(2).to(dtype)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int) -> torch.Tensor:
