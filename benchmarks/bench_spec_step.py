@@ -33,6 +33,8 @@ from dflash_tfm.engine.speculative import SpeculativeDecoder
 from dflash_tfm.kernels.gdn.tree_commit import fold_choice
 from dflash_tfm.kernels.tree_growth.weaver_round import publish_choice, rescore_choice
 from dflash_tfm.kernels.tree_growth.weaver_step import rows_matmul_choice
+from dflash_tfm.layers.attention import verify_attention_choice
+from dflash_tfm.layers.gated_deltanet import gdn_tree_inputs_choice
 from dflash_tfm.layers.linear import projection_choice, skinny_projections
 from dflash_tfm.loading.loader import build_model
 from dflash_tfm.models.presets import QWEN3_6_27B
@@ -151,7 +153,8 @@ def main() -> None:
     report_choices(results, projections=projection_choice, weaver_round=round_kernel_choice,
                    fused_step_row_matmul=rows_matmul_choice, rescore_pool=rescore_choice,
                    publish_children=publish_choice, draft_attention=block_attention_choice,
-                   gdn_fold=fold_choice)
+                   gdn_fold=fold_choice, verify_attention=verify_attention_choice,
+                   gdn_tree_inputs=gdn_tree_inputs_choice)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=2)

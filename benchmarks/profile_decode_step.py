@@ -2,7 +2,7 @@
 torch.profiler over eager steps of the Qwen3.6-27B-shaped random-weight target — the autoregressive decode
 step, or with --verify-nodes N the verify forward over an N-node best-first tree plus its commit.
 
-    python benchmarks/profile_decode_step.py [--layers 64] [--top 25] [--verify-nodes 65]
+    python benchmarks/profile_decode_step.py [--layers 64] [--top 25] [--verify-nodes 65] [--context 1024]
 """
 from __future__ import annotations
 
@@ -47,16 +47,20 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--verify-nodes", type=int, default=0, help="profile verify + commit of this many nodes")
+    ap.add_argument("--context", type=int, default=1024, help="tokens in the cache before the profiled steps")
     args = ap.parse_args()
     cfg = ModelConfig.from_dict({**QWEN3_6_27B, "num_hidden_layers": args.layers})
-    model = init_random_(build_model(cfg, torch.device("cuda"), torch.bfloat16, max_positions=4096))
-    runner = ModelRunner(model, max_len=2048, device=torch.device("cuda"), use_cuda_graph=False)
+    max_len = args.context + 1024
+    model = init_random_(build_model(cfg, torch.device("cuda"), torch.bfloat16, max_positions=max_len + 1024))
+    runner = ModelRunner(model, max_len=max_len, device=torch.device("cuda"), use_cuda_graph=False)
     if args.verify_nodes:
         with torch.inference_mode():
-            step = verify_and_commit(model, runner, args.verify_nodes, 1024)
+            step = verify_and_commit(model, runner, args.verify_nodes, args.context)
     else:
+        with torch.inference_mode():
+            runner.prefill(torch.randint(0, cfg.vocab_size, (args.context,), device="cuda"))
         token = torch.tensor([11], device="cuda")
-        positions = iter(range(10**6))
+        positions = iter(range(args.context, 10**6))
 
         def step() -> None:
             runner.decode(token, next(positions))

@@ -7,9 +7,12 @@ import torch
 
 from dflash_tfm.config import ModelConfig
 from dflash_tfm.engine.model_runner import ModelRunner
+from dflash_tfm.layers import attention, gated_deltanet
 from dflash_tfm.loading.loader import build_model
 from dflash_tfm.models.random_init import init_random_
 from dflash_tfm.spec.tree import TreeSpec, random_parents
+
+from ..kernels.test_tree_common import Always
 
 pytestmark = pytest.mark.gpu
 
@@ -58,7 +61,11 @@ def test_graph_decode_matches_full_prefill(target) -> None:
         assert rel_err(logits[0], ref[t]) <= TOLERANCE[dtype], f"position {t}"
 
 
-def test_triton_verify_and_commit_match_plain_decoding(target) -> None:
+@pytest.mark.parametrize("paths", [("unfused", "tree_kernel"), ("fused", "tree_kernel s1")])
+def test_triton_verify_and_commit_match_plain_decoding(target, paths, monkeypatch) -> None:
+    """Both GDN verify-input paths and both split modes of the tree attention (forced)."""
+    monkeypatch.setattr(gated_deltanet.gdn_tree_inputs_choice, "choices", Always(paths[0]))
+    monkeypatch.setattr(attention.verify_attention_choice, "choices", Always(paths[1]))
     model, dtype = target
     gen = torch.Generator("cuda").manual_seed(1)
     prompt = torch.randint(0, 256, (40,), device="cuda", generator=gen)

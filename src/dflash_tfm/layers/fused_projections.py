@@ -3,8 +3,8 @@
 
 `CausalLM` calls these for every layer; for anything but one row on CUDA they are exactly the layers' own ops
 (residual add fused into the norm, `layers/linear.py` projections, `silu_and_mul`). For one row on CUDA (a decode step) each may run
-as one Triton GEMV that computes its own input (`kernels/linear/fused_gemv.py`), where that measured faster
-than the separate kernels for this shape (`MeasuredChoice`, decided at the engine's warm-up before a CUDA graph
+as one Triton GEMV that computes its own input (`kernels/linear/fused_gemv.py`), or as the separate kernels,
+whichever measured faster for this shape (`MeasuredChoice`, decided at the engine's warm-up before a CUDA graph
 is captured). DFLASH_TFM_FUSED_GEMV=0 keeps the separate kernels.
 """
 from __future__ import annotations
@@ -19,8 +19,13 @@ from dflash_tfm.layers.measured_choice import MeasuredChoice
 from dflash_tfm.layers.mlp import silu_and_mul
 from dflash_tfm.layers.norm import RMSNorm
 
-fused_choice = MeasuredChoice(default="unfused")
 BLOCKS = {f"fused {bn}x{bk}": (bn, bk) for bn in (8, 16, 32) for bk in (256, 512)}  # GEMV rows x K chunk
+# add + norm starts from the fused GEMV: timed alone, it and norm + cuBLAS came within 2 % of each other on the
+# H200 (gate_up 0.0864 vs 0.0870 ms), so which one a process took flipped, and the decode steps that took the
+# separate kernels for gate_up and the attention qkv were 0.3 ms slower (14.15 vs 13.78 ms, the same
+# GEMV-only time; docs/PERFORMANCE.md, session 16). silu · mul was slower fused in every run: unfused default.
+add_norm_choice = MeasuredChoice(default="fused 16x256")
+silu_mul_choice = MeasuredChoice(default="unfused")
 
 
 def fused_enabled() -> bool:
@@ -43,7 +48,7 @@ def add_norm_linear(h: torch.Tensor, delta: torch.Tensor, norm: RMSNorm, weight:
     if not _decode_row(h):
         return unfused()
     key = ("add_norm", *weight.shape, h.dtype, norm.plus_one)
-    name = fused_choice.pick(
+    name = add_norm_choice.pick(
         key, lambda: {"unfused": unfused} | {n: (lambda n=n: fused(n)) for n in BLOCKS})
     return unfused() if name == "unfused" else fused(name)
 
@@ -59,6 +64,6 @@ def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor
     if not _decode_row(gate_up):
         return unfused()
     key = ("silu_mul", *weight.shape, gate_up.dtype)
-    name = fused_choice.pick(
+    name = silu_mul_choice.pick(
         key, lambda: {"unfused": unfused} | {n: (lambda n=n: fused(n)) for n in BLOCKS})
     return unfused() if name == "unfused" else fused(name)

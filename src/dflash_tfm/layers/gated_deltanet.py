@@ -19,10 +19,12 @@ from dflash_tfm.kernels.conv.tree_conv import tree_causal_conv1d, tree_conv_comm
 from dflash_tfm.kernels.gdn.fused_decode import gdn_fused_decode
 from dflash_tfm.kernels.gdn.prefill import gdn_prefill
 from dflash_tfm.kernels.gdn.tree_commit import gdn_tree_commit
+from dflash_tfm.kernels.gdn.tree_inputs import gdn_tree_inputs
 from dflash_tfm.kernels.gdn.tree_reference import GDNTreeContext
 from dflash_tfm.kernels.gdn.tree_verify import gdn_tree_verify
 from dflash_tfm.layers.compile import fuse_on_cuda
 from dflash_tfm.layers.linear import linear
+from dflash_tfm.layers.measured_choice import MeasuredChoice
 from dflash_tfm.layers.norm import gated_rms_norm
 from dflash_tfm.layers.short_conv import causal_conv1d
 
@@ -54,9 +56,10 @@ def split_heads(conv_out: torch.Tensor, hk: int, dk: int, hv: int, dv: int) -> t
     return q, k, v.reshape(B, T, hv, dv)
 
 
-# The verify pass runs the tree conv kernel between these two steps, so each is fused on its own there.
+# The unfused verify inputs run the tree conv kernel between these two steps, so each is fused on its own there.
 fused_split_projection = fuse_on_cuda(split_projection)
 fused_split_heads = fuse_on_cuda(split_heads)
+gdn_tree_inputs_choice = MeasuredChoice(default="unfused")
 
 
 @fuse_on_cuda
@@ -155,14 +158,30 @@ class GatedDeltaNet(nn.Module):
         """Outputs of all tree nodes (their projections proj [B, N, *]; parents [B, N], shared ancestor bitsets)
         from the committed state and conv window, which are only read. Returns what `commit` needs; `keep`
         (this layer's `GDNCommitStacks.layer` slices, chunk kernel) receives it in place."""
-        mixed, z, beta, g = fused_split_projection(
-            proj, self.A_log, self.dt_bias, self.conv_dim, self.hv, self.dv)
         keep_mixed, u_out, G_out = (None, None, None) if keep is None else keep
-        conv_out = tree_causal_conv1d(mixed, self.conv_weight, parents, conv_window, keep_input=keep_mixed)
-        q, k, v = fused_split_heads(conv_out, self.hk, self.dk, self.hv, self.dv)
+        q, k, v, z, beta, g = self.tree_inputs(proj, parents, conv_window, keep_mixed)
         o, ctx = gdn_tree_verify(q, k, v, g, beta, parents, state, kernel=kernel, ancestors=ancestors,
                                  u_out=u_out, G_out=G_out)
-        return self.output(o, z), (mixed if keep_mixed is None else keep_mixed, ctx)
+        return self.output(o, z), (proj[..., : self.conv_dim] if keep_mixed is None else keep_mixed, ctx)
+
+    def tree_inputs(
+        self, proj: torch.Tensor, parents: torch.Tensor, conv_window: torch.Tensor, keep_mixed: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, ...]:
+        """(q, k, v, z, beta, g) of the tree nodes: three kernels (β/g, tree conv, q/k norm) or the one-launch
+        `gdn_tree_inputs`, whichever measured faster for the shape (`gdn_tree_inputs_choice`)."""
+        def unfused() -> tuple[torch.Tensor, ...]:
+            mixed, z, beta, g = fused_split_projection(
+                proj, self.A_log, self.dt_bias, self.conv_dim, self.hv, self.dv)
+            conv_out = tree_causal_conv1d(mixed, self.conv_weight, parents, conv_window, keep_input=keep_mixed)
+            return (*fused_split_heads(conv_out, self.hk, self.dk, self.hv, self.dv), z, beta, g)
+
+        def fused() -> tuple[torch.Tensor, ...]:
+            return gdn_tree_inputs(proj, self.conv_weight, self.A_log, self.dt_bias, parents, conv_window,
+                                   self.hk, self.dk, self.hv, self.dv, keep_input=keep_mixed)
+
+        key = (*proj.shape, proj.dtype, self.hk, self.dk, self.hv, self.dv)
+        name = gdn_tree_inputs_choice.pick(key, lambda: {"unfused": unfused, "fused": fused}, can_time=proj.is_cuda)
+        return fused() if name == "fused" else unfused()
 
     @staticmethod
     def commit(

@@ -21,13 +21,13 @@ from dflash_tfm.kernels.conv.reference import (
 
 
 @triton.jit
-def _up(parents, b, N, a):
+def chain_up(parents, b, N, a):
     """One step up: the parent of node a ≥ 0, else a − 1 (above the root, −1 −2 −3 are window slots 2 1 0)."""
     return tl.where(a >= 0, tl.load(parents + b * N + tl.maximum(a, 0)), a - 1)
 
 
 @triton.jit
-def _input_at(x, window, b, a, offs_c, cm, sx_b, sx_n, sw_b, sw_c):
+def chain_input(x, window, b, a, offs_c, cm, sx_b, sx_n, sw_b, sw_c):
     """Conv input of chain index a (tree row if a ≥ 0, else window slot 3 + a) for channels offs_c, fp32."""
     in_tree = tl.load(x + b * sx_b + tl.maximum(a, 0) * sx_n + offs_c, mask=cm & (a >= 0), other=0.0)
     in_window = tl.load(window + b * sw_b + offs_c * sw_c + tl.maximum(a + 3, 0), mask=cm & (a < 0), other=0.0)
@@ -50,11 +50,11 @@ def _tree_conv_kernel(
     acc = tl.zeros([BC], dtype=tl.float32)
     for t in tl.static_range(4):  # t = 0 is the node itself; weight column 3 − t
         w_t = tl.load(weight + offs_c * swt_c + (3 - t), mask=cm, other=0.0).to(tl.float32)
-        x_t = _input_at(x, window, b, a, offs_c, cm, sx_b, sx_n, sw_b, sw_c)
+        x_t = chain_input(x, window, b, a, offs_c, cm, sx_b, sx_n, sw_b, sw_c)
         if KEEP and t == 0:
             tl.store(keep + (b * N + i) * C + offs_c, x_t.to(keep.dtype.element_ty), mask=cm)
         acc += w_t * x_t
-        a = _up(parents, b, N, a)
+        a = chain_up(parents, b, N, a)
     if SILU:
         acc = acc * tl.sigmoid(acc)
     tl.store(y + b * sy_b + i * sy_n + offs_c, acc.to(y.dtype.element_ty), mask=cm)
@@ -76,11 +76,11 @@ def _tree_conv_commit_kernel(
     nodes = tl.arange(0, NPOW)
     on_path = tl.load(accepted + p * N + nodes, mask=nodes < N, other=0) != 0
     a = tl.max(tl.where(on_path, nodes, -1), axis=0)  # parents precede children: deepest = largest index
-    newest = _input_at(x, window, b, a, offs_c, cm, sx_b, sx_n, sw_b, sw_c)
-    a = _up(parents, p, N, a)
-    middle = _input_at(x, window, b, a, offs_c, cm, sx_b, sx_n, sw_b, sw_c)
-    a = _up(parents, p, N, a)
-    oldest = _input_at(x, window, b, a, offs_c, cm, sx_b, sx_n, sw_b, sw_c)
+    newest = chain_input(x, window, b, a, offs_c, cm, sx_b, sx_n, sw_b, sw_c)
+    a = chain_up(parents, p, N, a)
+    middle = chain_input(x, window, b, a, offs_c, cm, sx_b, sx_n, sw_b, sw_c)
+    a = chain_up(parents, p, N, a)
+    oldest = chain_input(x, window, b, a, offs_c, cm, sx_b, sx_n, sw_b, sw_c)
     row = out + (b * C + offs_c) * 3
     tl.store(row + 2, newest.to(out.dtype.element_ty), mask=cm)
     tl.store(row + 1, middle.to(out.dtype.element_ty), mask=cm)

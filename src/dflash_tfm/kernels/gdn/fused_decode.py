@@ -46,7 +46,7 @@ CONV_WIDTH = 4
 
 
 @triton.jit
-def _round_to(x, dt: tl.constexpr):
+def round_to(x, dt: tl.constexpr):
     """fp32 ``x`` rounded to nearest-even in ``dt``, returned as fp32. bf16 is rounded with integer ops because
     Triton's CPU interpreter truncates fp32 → bf16 casts (the GPU rounds; the result is the same there)."""
     if dt == tl.bfloat16:
@@ -67,15 +67,15 @@ def _conv_silu(p_b, w_b, cw_ptr, ch, mask, sp_c, sw_c, sw_k, scw_c, scw_k):
     dt: tl.constexpr = p_b.dtype.element_ty
     x = tl.load(p_b + ch * sp_c, mask=mask, other=0.0).to(tl.float32)
     w_row = w_b + ch * sw_c
-    w0 = _round_to(tl.load(w_row, mask=mask, other=0.0).to(tl.float32), dt)
-    w1 = _round_to(tl.load(w_row + sw_k, mask=mask, other=0.0).to(tl.float32), dt)
-    w2 = _round_to(tl.load(w_row + 2 * sw_k, mask=mask, other=0.0).to(tl.float32), dt)
+    w0 = round_to(tl.load(w_row, mask=mask, other=0.0).to(tl.float32), dt)
+    w1 = round_to(tl.load(w_row + sw_k, mask=mask, other=0.0).to(tl.float32), dt)
+    w2 = round_to(tl.load(w_row + 2 * sw_k, mask=mask, other=0.0).to(tl.float32), dt)
     c_row = cw_ptr + ch * scw_c
     acc = w0 * tl.load(c_row, mask=mask, other=0.0).to(tl.float32)
     acc += w1 * tl.load(c_row + scw_k, mask=mask, other=0.0).to(tl.float32)
     acc += w2 * tl.load(c_row + 2 * scw_k, mask=mask, other=0.0).to(tl.float32)
     acc += x * tl.load(c_row + 3 * scw_k, mask=mask, other=0.0).to(tl.float32)
-    return _round_to(acc * tl.sigmoid(acc), dt), w1, w2, x
+    return round_to(acc * tl.sigmoid(acc), dt), w1, w2, x
 
 
 @triton.jit
@@ -102,8 +102,8 @@ def _shift_qk_window(p_b, w_b, wo_b, i_hk, sp_c, sw_c, sw_k, swo_c, swo_k,
     mask = d < DK
     x = tl.load(p_b + ch * sp_c, mask=mask, other=0.0).to(tl.float32)
     w_row = w_b + ch * sw_c
-    w1 = _round_to(tl.load(w_row + sw_k, mask=mask, other=0.0).to(tl.float32), dt)
-    w2 = _round_to(tl.load(w_row + 2 * sw_k, mask=mask, other=0.0).to(tl.float32), dt)
+    w1 = round_to(tl.load(w_row + sw_k, mask=mask, other=0.0).to(tl.float32), dt)
+    w2 = round_to(tl.load(w_row + 2 * sw_k, mask=mask, other=0.0).to(tl.float32), dt)
     if BARRIER:  # in place: every thread's reads of the old window precede every thread's writes
         tl.debug_barrier()
     _store_window(wo_b, ch, mask, swo_c, swo_k, w1, w2, x)
@@ -112,17 +112,29 @@ def _shift_qk_window(p_b, w_b, wo_b, i_hk, sp_c, sw_c, sw_k, swo_c, swo_k,
 @triton.jit
 def _l2_normalize(x, dt: tl.constexpr):
     """``x · rsqrt(Σx² + 1e-6)`` (gated_deltanet.l2_normalize) rounded to dt, as fp32; masked lanes stay 0."""
-    return _round_to(x * tl.rsqrt(tl.sum(x * x, axis=0) + 1e-6), dt)
+    return round_to(x * tl.rsqrt(tl.sum(x * x, axis=0) + 1e-6), dt)
+
+
+@triton.jit
+def gdn_gates(b, a, dt_bias, a_log, dt: tl.constexpr):
+    """fp32 in, fp32 out: β = σ(b) rounded to dt (as torch.sigmoid on a dt tensor) and
+    g = −e^A_log · softplus(a + dt_bias) (``split_projection``)."""
+    beta = round_to(tl.sigmoid(b), dt)
+    x = a + dt_bias
+    e = tl.exp(tl.minimum(x, 20.0))  # F.softplus: x above its threshold 20, else log1p(e^x)
+    u1 = 1.0 + e
+    log1p_e = tl.where(u1 == 1.0, e, tl.log(u1) * (e / tl.where(u1 == 1.0, 1.0, u1 - 1.0)))  # accurate log1p
+    return beta, -tl.exp(a_log) * tl.where(x > 20.0, x, log1p_e)
 
 
 @triton.jit
 def _gated_norm(o, z, nw, sum_sq, eps, DV: tl.constexpr, dt: tl.constexpr, ROUND_PROD: tl.constexpr):
     """``gated_rms_norm``: (w · rmsnorm(o).to(dt) [rounded when w has dt] · silu(z)).to(dt)."""
-    normed = _round_to(o * tl.rsqrt(sum_sq / DV + eps), dt)
+    normed = round_to(o * tl.rsqrt(sum_sq / DV + eps), dt)
     wn = nw * normed
     if ROUND_PROD:
-        wn = _round_to(wn, dt)
-    return _round_to(wn * (z * tl.sigmoid(z)), dt).to(dt)
+        wn = round_to(wn, dt)
+    return round_to(wn * (z * tl.sigmoid(z)), dt).to(dt)
 
 
 @triton.jit
@@ -187,21 +199,14 @@ def _gdn_fused_decode_kernel(
             _shift_qk_window(p_b, w_b, wo_b, i_hk, sp_c, sw_c, sw_k, swo_c, swo_k, HK, DK, BK, False)
     _store_window(wo_b, ch_v, mask_v, swo_c, swo_k, v1, v2, vx)
 
-    # β = σ(b) (rounded to dt, as torch.sigmoid on a dt tensor), g = −e^A_log · softplus(a + dt_bias) in fp32.
     b = tl.load(p_b + (CONV + HV * DV + i_hv) * sp_c).to(tl.float32)
     a = tl.load(p_b + (CONV + HV * DV + HV + i_hv) * sp_c).to(tl.float32)
-    beta = _round_to(tl.sigmoid(b), dt)
-    x = a + tl.load(dtb_ptr + i_hv).to(tl.float32)
-    e = tl.exp(tl.minimum(x, 20.0))  # F.softplus: x above its threshold 20, else log1p(e^x)
-    u1 = 1.0 + e
-    log1p_e = tl.where(u1 == 1.0, e, tl.log(u1) * (e / tl.where(u1 == 1.0, 1.0, u1 - 1.0)))  # accurate log1p
-    softplus = tl.where(x > 20.0, x, log1p_e)
-    g = -tl.exp(tl.load(alog_ptr + i_hv).to(tl.float32)) * softplus
+    beta, g = gdn_gates(b, a, tl.load(dtb_ptr + i_hv).to(tl.float32), tl.load(alog_ptr + i_hv).to(tl.float32), dt)
 
     S = S * tl.exp(g)
     u = beta * (v - tl.sum(S * k[:, None], axis=0))
     S = S + k[:, None] * u[None, :]
-    o = _round_to(tl.sum(S * q[:, None], axis=0), dt)  # o in the model dtype, as the unfused path has it
+    o = round_to(tl.sum(S * q[:, None], axis=0), dt)  # o in the model dtype, as the unfused path has it
 
     y_b = y_ptr + i_b * sy_b + i_hv * DV * sy_c
     z_b = p_b + (CONV + i_hv * DV) * sp_c

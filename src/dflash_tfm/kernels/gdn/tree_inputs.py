@@ -1,0 +1,130 @@
+"""A GDN layer's verify inputs in one launch: tree conv + SiLU, q/k L2 norm, and β, g, from the in_proj output.
+
+Between ``in_proj`` and the tree solve, the unfused verify runs three kernels per GDN layer (β and g, the tree
+conv, the q/k L2 norm), each a few µs at 65 tree nodes, mostly launch and ramp. Here one program per
+(node, block of BC channels) follows the parent pointers three steps up, as ``tree_causal_conv1d`` does, applies
+SiLU, and L2-normalises the dk-channel groups of q and k inside its block (BC is a multiple of dk, so no group
+straddles two programs); one more program per node computes β and g of its HV heads. The output is one
+``[B, N, conv_dim]`` tensor whose q, k, v parts are returned as views.
+
+Semantics: ``gdn_tree_inputs_reference`` (``split_projection`` + ``tree_causal_conv1d`` + ``split_heads``), with
+every intermediate rounding to the model dtype reproduced (conv output, normalised q/k, β).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from dflash_tfm.kernels import use_triton
+from dflash_tfm.kernels.conv.reference import WIDTH, check_tree_conv_inputs, tree_causal_conv1d_reference
+from dflash_tfm.kernels.conv.tree_conv import chain_input, chain_up
+from dflash_tfm.kernels.gdn.fused_decode import gdn_gates, round_to
+
+MAX_BLOCK = 1024  # channels per program
+
+
+@triton.jit
+def _gdn_tree_inputs_kernel(
+    proj, weight, parents, window, a_log, dt_bias, y, keep, beta, g,
+    N, sp_b, sp_n, sw_b, sw_c, swt_c,
+    C: tl.constexpr, QK: tl.constexpr, VD: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr,
+    BC: tl.constexpr, HVP: tl.constexpr, KEEP: tl.constexpr,
+):
+    """Grid (cdiv(C, BC) + 1, B·N). proj: [B, N, C + VD + 2·HV] (unit last stride); y, keep: [B, N, C]
+    contiguous; beta, g: [B, N, HV] fp32 contiguous. Channels below QK are q and k (normalised per DK)."""
+    cb = tl.program_id(0)
+    b = tl.program_id(1) // N
+    i = tl.program_id(1) % N
+    dt: tl.constexpr = proj.dtype.element_ty
+    if cb * BC < C:
+        offs_c = cb * BC + tl.arange(0, BC)
+        cm = offs_c < C
+        a = i  # chain index: node, then ancestors, then window slots
+        acc = tl.zeros([BC], dtype=tl.float32)
+        for t in tl.static_range(4):  # t = 0 is the node itself; weight column 3 − t
+            w_t = tl.load(weight + offs_c * swt_c + (3 - t), mask=cm, other=0.0).to(tl.float32)
+            x_t = chain_input(proj, window, b, a, offs_c, cm, sp_b, sp_n, sw_b, sw_c)
+            if KEEP and t == 0:
+                tl.store(keep + (b * N + i) * C + offs_c, x_t.to(keep.dtype.element_ty), mask=cm)
+            acc += w_t * x_t
+            a = chain_up(parents, b, N, a)
+        out = round_to(acc * tl.sigmoid(acc), dt)
+        if cb * BC < QK:  # q/k groups in this block: x · rsqrt(Σx² + 1e-6) per dk channels
+            groups = tl.reshape(out, [BC // DK, DK])
+            first = cb * BC + tl.arange(0, BC // DK) * DK
+            inv = tl.where(first < QK, tl.rsqrt(tl.sum(groups * groups, axis=1) + 1e-6), 1.0)
+            out = round_to(tl.reshape(groups * inv[:, None], [BC]), dt)
+        tl.store(y + (b * N + i) * C + offs_c, out.to(dt), mask=cm)
+    else:
+        heads = tl.arange(0, HVP)
+        hm = heads < HV
+        row = proj + b * sp_b + i * sp_n + C + VD
+        b_raw = tl.load(row + heads, mask=hm, other=0.0).to(tl.float32)
+        a_raw = tl.load(row + HV + heads, mask=hm, other=0.0).to(tl.float32)
+        bias = tl.load(dt_bias + heads, mask=hm, other=0.0).to(tl.float32)
+        decay = tl.load(a_log + heads, mask=hm, other=0.0).to(tl.float32)
+        beta_i, g_i = gdn_gates(b_raw, a_raw, bias, decay, dt)
+        tl.store(beta + (b * N + i) * HV + heads, beta_i, mask=hm)
+        tl.store(g + (b * N + i) * HV + heads, g_i, mask=hm)
+
+
+def gdn_tree_inputs_reference(
+    proj: torch.Tensor, conv_weight: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+    parents: torch.Tensor, conv_window: torch.Tensor, hk: int, dk: int, hv: int, dv: int,
+    keep_input: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, ...]:
+    """The unfused composition the kernel reproduces -> (q, k, v, z, beta, g)."""
+    from dflash_tfm.layers.gated_deltanet import split_heads, split_projection  # the layer imports the kernels
+
+    mixed, z, beta, g = split_projection(proj, A_log, dt_bias, 2 * hk * dk + hv * dv, hv, dv)
+    if keep_input is not None:
+        keep_input.copy_(mixed)
+    conv_out = tree_causal_conv1d_reference(mixed, conv_weight, parents, conv_window)
+    return (*split_heads(conv_out, hk, dk, hv, dv), z, beta, g)
+
+
+def fusable(dk: int, conv_dim: int) -> bool:
+    """The kernel's layout needs dk a power of two dividing its channel block."""
+    return dk & (dk - 1) == 0 and dk <= min(MAX_BLOCK, triton.next_power_of_2(conv_dim))
+
+
+def gdn_tree_inputs(
+    proj: torch.Tensor, conv_weight: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+    parents: torch.Tensor, conv_window: torch.Tensor, hk: int, dk: int, hv: int, dv: int,
+    keep_input: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, ...]:
+    """One GDN layer's tree-verify inputs from its in_proj output ``proj [B, N, conv_dim + hv·dv + 2·hv]``:
+    returns q, k ``[B, N, hk, dk]`` (conv'd over the tree from ``conv_window [B, conv_dim, 3]``, SiLU,
+    L2-normalised), v ``[B, N, hv, dv]``, z ``[B, N, hv, dv]`` (a view of proj), beta and g ``[B, N, hv]`` fp32.
+    ``keep_input`` (contiguous ``[B, N, conv_dim]``) also receives the conv inputs, for the commit. The window is
+    only read. CPU tensors without the interpreter, or a dk the kernel cannot tile, run the reference."""
+    conv_dim, value_dim = 2 * hk * dk + hv * dv, hv * dv
+    if proj.dim() != 3 or proj.shape[-1] != conv_dim + value_dim + 2 * hv:
+        raise ValueError(f"proj must be [B, N, {conv_dim + value_dim + 2 * hv}], got {tuple(proj.shape)}")
+    B, N, C = check_tree_conv_inputs(proj[..., :conv_dim], parents, conv_window)
+    if tuple(conv_weight.shape) != (C, WIDTH):
+        raise ValueError(f"conv_weight must be [{C}, {WIDTH}], got {tuple(conv_weight.shape)}")
+    if keep_input is not None and (tuple(keep_input.shape) != (B, N, C) or not keep_input.is_contiguous()):
+        raise ValueError(f"keep_input must be a contiguous {(B, N, C)} tensor, got {tuple(keep_input.shape)}")
+    if not use_triton(proj) or not fusable(dk, C):
+        return gdn_tree_inputs_reference(proj, conv_weight, A_log, dt_bias, parents, conv_window, hk, dk, hv, dv,
+                                         keep_input)
+    proj = proj if proj.stride(-1) == 1 else proj.contiguous()
+    conv_window = conv_window if conv_window.stride(-1) == 1 else conv_window.contiguous()
+    conv_weight = conv_weight if conv_weight.stride(-1) == 1 else conv_weight.contiguous()
+    y = torch.empty(B, N, C, dtype=proj.dtype, device=proj.device)
+    beta = torch.empty(B, N, hv, dtype=torch.float32, device=proj.device)
+    g = torch.empty_like(beta)
+    BC = min(MAX_BLOCK, triton.next_power_of_2(C))
+    _gdn_tree_inputs_kernel[(triton.cdiv(C, BC) + 1, B * N)](
+        proj, conv_weight, parents.contiguous(), conv_window, A_log, dt_bias, y,
+        y if keep_input is None else keep_input, beta, g,
+        N, *proj.stride()[:2], *conv_window.stride()[:2], conv_weight.stride(0),
+        C=C, QK=2 * hk * dk, VD=value_dim, HV=hv, DK=dk, BC=BC, HVP=triton.next_power_of_2(hv),
+        KEEP=keep_input is not None)
+    q = y[..., : hk * dk].view(B, N, hk, dk)
+    k = y[..., hk * dk: 2 * hk * dk].view(B, N, hk, dk)
+    v = y[..., 2 * hk * dk:].view(B, N, hv, dv)
+    z = proj[..., C: C + value_dim].view(B, N, hv, dv)
+    return q, k, v, z, beta, g
