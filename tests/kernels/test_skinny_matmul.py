@@ -78,6 +78,16 @@ def test_dispatch_runs_linear_off_cuda_and_rejects_a_width_mismatch() -> None:
         skinny_matmul(torch.randn(3, 15), w)
 
 
+@pytest.mark.parametrize("parts", [2, 4])
+def test_cublas_in_parts_equals_one_gemm(parts: int) -> None:
+    """Column slices of one output, one GEMM each (a 3-D input, as verify passes it), and a clear error when
+    the parts would not be 16-byte aligned."""
+    x, w = torch.randn(2, 33, 40), torch.randn(64, 40)
+    assert torch.allclose(linear_module.cublas_in_parts(x, w, parts), F.linear(x, w), atol=1e-5)
+    with pytest.raises(ValueError, match="aligned parts"):
+        linear_module.cublas_in_parts(x, w[:60], parts)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows", [1, 16, 65])
 def test_gpu_dispatch_matches_cublas_27b_shapes(rows: int) -> None:
@@ -92,6 +102,8 @@ def test_gpu_dispatch_matches_cublas_27b_shapes(rows: int) -> None:
         before = torch.backends.cuda.preferred_blas_library()
         assert rel_err(linear_module.cublaslt_linear(x, w), ref) <= 1e-2
         assert torch.backends.cuda.preferred_blas_library() == before  # the process-wide preference is restored
+        if N % 32 == 0:
+            assert rel_err(linear_module.cublas_in_parts(x, w, 4), ref) <= 1e-2
         configs = candidate_configs(rows, N, K, sms=132)
         for config in configs[:2] + [c for c in configs if c.tma][:2]:
             assert rel_err(skinny_matmul(x, w, config), ref) <= 1e-2

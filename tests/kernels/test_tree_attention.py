@@ -66,6 +66,32 @@ def test_triton_matches_path_attention(shape: str, L, splits: int | None, triton
     assert o.shape == x["q"].shape and rel_err(o, path_attention(x, parents, lens, 32**-0.5)) <= 1e-5
 
 
+@pytest.mark.parametrize("block_n", [16, 32, 64])
+def test_triton_key_tiles_match_path_attention(block_n: int, triton_device: str) -> None:
+    """Every key tile width, with cache lengths that are not multiples of it and two splits."""
+    x, parents = make_case(2, 12, 6, 2, 32, 90, "random", triton_device)
+    lens = [77, 5]
+    o = tree_attention(**x, cache_len=torch.tensor(lens, device=triton_device), num_splits=2, block_n=block_n)
+    assert rel_err(o, path_attention(x, parents, lens, 32**-0.5)) <= 1e-5
+
+
+@pytest.mark.parametrize("name", ["tree_kernel", "tree_kernel s1", "tree_kernel s4 bn64"])
+def test_triton_verify_attention_candidates_match_path_attention(name: str, triton_device: str) -> None:
+    """Each candidate the verify's measured choice may pick (forced by name) attends over the caller's lengths,
+    not the length the candidates are timed at."""
+    from dflash_tfm.layers import attention
+
+    x, parents = make_case(1, 9, 6, 2, 32, 80, "best_first", triton_device)
+    key = (*x["q"].shape, 80, 2, x["q"].dtype)
+    attention.verify_attention_choice.choices[key] = name
+    try:
+        o = attention.verify_attention(x["q"], x["k_tree"], x["v_tree"], x["k_cache"], x["v_cache"],
+                                       torch.tensor([61], device=triton_device), x["ancestor_bitsets"], 32**-0.5)
+    finally:
+        del attention.verify_attention_choice.choices[key]
+    assert rel_err(o, path_attention(x, parents, [61], 32**-0.5)) <= 1e-5
+
+
 def test_triton_more_than_64_nodes(triton_device: str) -> None:
     """Two bitset words and two query row blocks; head_dim not a power of two."""
     x, parents = make_case(1, 70, 2, 1, 24, 20, "best_first", triton_device)
@@ -104,6 +130,8 @@ def test_validation_errors() -> None:
         tree_attention(**{**x, "q": x["q"][:, :, :3]}, cache_len=3)
     with pytest.raises(ValueError, match="k_cache"):
         tree_attention(**{**x, "v_cache": x["v_cache"][:, :4]}, cache_len=3)
+    with pytest.raises(ValueError, match="block_n"):
+        tree_attention(**x, cache_len=3, block_n=48)
 
 
 @pytest.mark.gpu

@@ -174,7 +174,9 @@ def decode_attention(
 
 
 verify_attention_choice = MeasuredChoice(default="tree_kernel")
-VERIFY_SPLITS = {f"tree_kernel s{n}": n for n in (1, 2, 4, 8, 16)}  # fixed cache splits also timed
+# Also timed: fixed cache splits, and 64-key tiles (half the loop trips; at head dim 256 ptxas spills ~130 bytes).
+VERIFY_TILES = {f"tree_kernel s{n}": (n, None) for n in (1, 2, 4, 8, 16)} | {
+    f"tree_kernel s{n} bn64": (n, 64) for n in (2, 4, 8)}
 VERIFY_TIMING_KEYS = 2048  # cached keys the candidates are timed over (one verify graph serves every length)
 
 
@@ -182,22 +184,22 @@ def verify_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     cache_len: int | torch.Tensor, ancestors: torch.Tensor, scale: float,
 ) -> torch.Tensor:
-    """`tree_attention` of the tree nodes with its own split heuristic or a fixed number of cache splits,
-    whichever measured fastest for the shape. Fewer splits write fewer fp32 partial outputs for the merge
+    """`tree_attention` of the tree nodes with its own split heuristic or a fixed number of cache splits
+    (and key tile), whichever measured fastest for the shape. Fewer splits write fewer fp32 partial outputs for the merge
     (8 splits of a 65-node tree: 13 MB per layer, three times the K/V read at a 1k context), more keep
     more SMs busy. The candidates are timed over `VERIFY_TIMING_KEYS` cached keys rather than the caller's
     length: the choice is made at the first verify (the prompt's length) and then serves every length."""
-    def run(splits: int | None = None, length: int | torch.Tensor = cache_len) -> torch.Tensor:
-        return tree_attention(q, k_cache, v_cache, length, k, v, ancestors, scale, num_splits=splits)
+    def run(tile: tuple[int | None, int | None] = (None, None), length: int | torch.Tensor = cache_len) -> torch.Tensor:
+        return tree_attention(q, k_cache, v_cache, length, k, v, ancestors, scale, num_splits=tile[0], block_n=tile[1])
 
     def candidates() -> dict:
         length = torch.full((q.shape[0],), min(k_cache.shape[1], VERIFY_TIMING_KEYS), device=q.device)
         return {"tree_kernel": lambda: run(length=length)} | {
-            name: (lambda n=n: run(n, length)) for name, n in VERIFY_SPLITS.items()}
+            name: (lambda t=t: run(t, length)) for name, t in VERIFY_TILES.items()}
 
     key = (*q.shape, k_cache.shape[1], k_cache.shape[2], q.dtype)
     name = verify_attention_choice.pick(key, candidates, can_time=q.is_cuda)
-    return run(VERIFY_SPLITS.get(name))
+    return run(VERIFY_TILES.get(name, (None, None)))
 
 
 def additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

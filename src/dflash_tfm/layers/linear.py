@@ -1,4 +1,5 @@
-"""Projections: cuBLAS, cuBLASLt or the Triton skinny matmul for 1 … 128 rows, whichever measured fastest for that shape.
+"""Projections: cuBLAS (whole, or in 2 / 4 column parts), cuBLASLt or the Triton skinny matmul for 1 … 128 rows,
+whichever measured fastest for that shape.
 
 Tree verify (N = budget + 1 rows) and drafter blocks (16 rows) multiply a few rows by large weights, where
 cuBLAS's GEMM tiles may stream the weights more slowly than its batch-1 GEMV does; and a decode step's one row
@@ -52,7 +53,28 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     name = projection_choice.pick(key, lambda: _candidates(x, weight, rows))
     if name == "cublas":
         return F.linear(x, weight)
+    if name in PARTS:
+        return cublas_in_parts(x, weight, PARTS[name])
     return cublaslt_linear(x, weight) if name == "cublaslt" else skinny_matmul(x, weight, _configs[name])
+
+
+PARTS = {"cublas/2": 2, "cublas/4": 4}  # candidate names of `cublas_in_parts`
+MIN_PARTS_ROWS, MIN_PARTS_WIDTH = 17, 16384  # where they are timed: tree verify's row counts, wide weights
+
+
+def cublas_in_parts(x: torch.Tensor, weight: torch.Tensor, parts: int) -> torch.Tensor:
+    """``F.linear`` as `parts` cuBLAS GEMMs over equal row blocks of the weight, each writing its column slice
+    of one output (no copies). cuBLAS picks its tiles by the output width, and at 65 rows the 34816-wide MLP
+    gate_up streamed its weight ~10 % slower than the one-row GEMV did (docs/PERFORMANCE.md, session 16)."""
+    N, K = weight.shape
+    step = N // parts
+    if N % parts or step % 8:  # every slice 16-byte aligned
+        raise ValueError(f"cannot split {N} outputs into {parts} aligned parts")
+    x2 = x.reshape(-1, K)
+    out = torch.empty(x2.shape[0], N, dtype=x.dtype, device=x.device)
+    for p in range(parts):
+        torch.mm(x2, weight[p * step:(p + 1) * step].t(), out=out[:, p * step:(p + 1) * step])
+    return out.view(*x.shape[:-1], N)
 
 
 def cublaslt_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -69,6 +91,10 @@ def cublaslt_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 def _candidates(x: torch.Tensor, weight: torch.Tensor, rows: int) -> dict:
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count
     candidates: dict = {"cublas": lambda: F.linear(x, weight), "cublaslt": lambda: cublaslt_linear(x, weight)}
+    if rows >= MIN_PARTS_ROWS and weight.shape[0] >= MIN_PARTS_WIDTH:
+        for name, parts in PARTS.items():
+            if weight.shape[0] % (8 * parts) == 0:
+                candidates[name] = lambda parts=parts: cublas_in_parts(x, weight, parts)
     for config in candidate_configs(rows, weight.shape[0], weight.shape[1], sms):
         _configs[str(config)] = config
         candidates[str(config)] = lambda c=config: skinny_matmul(x, weight, c)

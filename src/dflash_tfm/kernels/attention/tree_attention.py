@@ -111,17 +111,19 @@ def _num_splits(rows_blocks: int, max_len: int, device: torch.device) -> int:
 def tree_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_len: int | torch.Tensor,
     k_tree: torch.Tensor, v_tree: torch.Tensor, ancestor_bitsets: torch.Tensor, scale: float | None = None,
-    num_splits: int | None = None,
+    num_splits: int | None = None, block_n: int | None = None,
 ) -> torch.Tensor:
     """Attention of N tree nodes over the committed cache plus their ancestors-and-self (GQA).
 
     q ``[B, N, H, D]`` (RoPE'd at L + depth); k_cache, v_cache ``[B, S, Hkv, D]``; cache_len an int or ``[B]``
     tensor (no host sync); k_tree, v_tree ``[B, N, Hkv, D]``; ancestor_bitsets ``[B, N, ceil(N/64)]`` int64;
-    scale defaults to ``D**-0.5``; ``num_splits`` (a power of two) overrides the cache split heuristic.
-    Returns ``o [B, N, H, D]`` in q's dtype.
+    scale defaults to ``D**-0.5``; ``num_splits`` (a power of two) overrides the cache split heuristic,
+    ``block_n`` (16, 32, 64) the keys per tile (default 32 at head dim > 128, else 64). Returns ``o [B, N, H, D]`` in q's dtype.
     """
     B, N, H, Hkv, D, S = check_tree_attention_inputs(q, k_cache, v_cache, k_tree, v_tree, ancestor_bitsets)
     scale = D**-0.5 if scale is None else scale
+    if block_n not in (None, 16, 32, 64):
+        raise ValueError(f"block_n must be 16, 32 or 64, got {block_n}")
     if not use_triton(q):
         return tree_attention_reference(q, k_cache, v_cache, cache_len, k_tree, v_tree, ancestor_bitsets, scale)
     q, k_cache, v_cache, k_tree, v_tree = (
@@ -131,7 +133,7 @@ def tree_attention(
     BD = max(16, triton.next_power_of_2(D))
     # Row tiles as small as the rows need (a decode step has G rows per kv head); no register spills on sm_90
     # (ptxas -v) for BM ≤ 64 with D = 64, 128, 256.
-    BM, BN = min(64, max(16, triton.next_power_of_2(N * G))), (32 if BD > 128 else 64)
+    BM, BN = min(64, max(16, triton.next_power_of_2(N * G))), block_n or (32 if BD > 128 else 64)
     m_blocks = triton.cdiv(N * G, BM)
     max_len = cache_len if isinstance(cache_len, int) else S
     splits = num_splits or _num_splits(m_blocks * B * Hkv, max_len, q.device)
