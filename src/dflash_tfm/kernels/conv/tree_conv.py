@@ -21,17 +21,37 @@ from dflash_tfm.kernels.conv.reference import (
 
 
 @triton.jit
-def chain_up(parents, b, N, a):
+def _up(parents, b, N, a):
     """One step up: the parent of node a ≥ 0, else a − 1 (above the root, −1 −2 −3 are window slots 2 1 0)."""
     return tl.where(a >= 0, tl.load(parents + b * N + tl.maximum(a, 0)), a - 1)
 
 
 @triton.jit
-def chain_input(x, window, b, a, offs_c, cm, sx_b, sx_n, sw_b, sw_c):
+def _input_at(x, window, b, a, offs_c, cm, sx_b, sx_n, sw_b, sw_c):
     """Conv input of chain index a (tree row if a ≥ 0, else window slot 3 + a) for channels offs_c, fp32."""
     in_tree = tl.load(x + b * sx_b + tl.maximum(a, 0) * sx_n + offs_c, mask=cm & (a >= 0), other=0.0)
     in_window = tl.load(window + b * sw_b + offs_c * sw_c + tl.maximum(a + 3, 0), mask=cm & (a < 0), other=0.0)
     return tl.where(a >= 0, in_tree.to(tl.float32), in_window.to(tl.float32))
+
+
+@triton.jit
+def tree_conv_row(
+    x, weight, parents, window, keep, b, i, N, C, offs_c, cm, sx_b, sx_n, sw_b, sw_c, swt_c,
+    BC: tl.constexpr, KEEP: tl.constexpr,
+):
+    """fp32 ``Σ_t w[:, 3−t] · x_{anc_t(i)}`` (no activation) of node i's channels offs_c, following the parent
+    pointers three steps up and on into the window; KEEP also stores the node's own input into the contiguous
+    ``keep [B, N, C]``."""
+    a = i  # chain index: node, then ancestors, then window slots
+    acc = tl.zeros([BC], dtype=tl.float32)
+    for t in tl.static_range(4):  # t = 0 is the node itself; weight column 3 − t
+        w_t = tl.load(weight + offs_c * swt_c + (3 - t), mask=cm, other=0.0).to(tl.float32)
+        x_t = _input_at(x, window, b, a, offs_c, cm, sx_b, sx_n, sw_b, sw_c)
+        if KEEP and t == 0:
+            tl.store(keep + (b * N + i) * C + offs_c, x_t.to(keep.dtype.element_ty), mask=cm)
+        acc += w_t * x_t
+        a = _up(parents, b, N, a)
+    return acc
 
 
 @triton.jit
@@ -46,15 +66,8 @@ def _tree_conv_kernel(
     i = tl.program_id(1) % N
     offs_c = tl.program_id(0) * BC + tl.arange(0, BC)
     cm = offs_c < C
-    a = i  # chain index: node, then ancestors, then window slots
-    acc = tl.zeros([BC], dtype=tl.float32)
-    for t in tl.static_range(4):  # t = 0 is the node itself; weight column 3 − t
-        w_t = tl.load(weight + offs_c * swt_c + (3 - t), mask=cm, other=0.0).to(tl.float32)
-        x_t = chain_input(x, window, b, a, offs_c, cm, sx_b, sx_n, sw_b, sw_c)
-        if KEEP and t == 0:
-            tl.store(keep + (b * N + i) * C + offs_c, x_t.to(keep.dtype.element_ty), mask=cm)
-        acc += w_t * x_t
-        a = chain_up(parents, b, N, a)
+    acc = tree_conv_row(x, weight, parents, window, keep, b, i, N, C, offs_c, cm, sx_b, sx_n, sw_b, sw_c, swt_c,
+                        BC, KEEP)
     if SILU:
         acc = acc * tl.sigmoid(acc)
     tl.store(y + b * sy_b + i * sy_n + offs_c, acc.to(y.dtype.element_ty), mask=cm)
@@ -76,18 +89,18 @@ def _tree_conv_commit_kernel(
     nodes = tl.arange(0, NPOW)
     on_path = tl.load(accepted + p * N + nodes, mask=nodes < N, other=0) != 0
     a = tl.max(tl.where(on_path, nodes, -1), axis=0)  # parents precede children: deepest = largest index
-    newest = chain_input(x, window, b, a, offs_c, cm, sx_b, sx_n, sw_b, sw_c)
-    a = chain_up(parents, p, N, a)
-    middle = chain_input(x, window, b, a, offs_c, cm, sx_b, sx_n, sw_b, sw_c)
-    a = chain_up(parents, p, N, a)
-    oldest = chain_input(x, window, b, a, offs_c, cm, sx_b, sx_n, sw_b, sw_c)
+    newest = _input_at(x, window, b, a, offs_c, cm, sx_b, sx_n, sw_b, sw_c)
+    a = _up(parents, p, N, a)
+    middle = _input_at(x, window, b, a, offs_c, cm, sx_b, sx_n, sw_b, sw_c)
+    a = _up(parents, p, N, a)
+    oldest = _input_at(x, window, b, a, offs_c, cm, sx_b, sx_n, sw_b, sw_c)
     row = out + (b * C + offs_c) * 3
     tl.store(row + 2, newest.to(out.dtype.element_ty), mask=cm)
     tl.store(row + 1, middle.to(out.dtype.element_ty), mask=cm)
     tl.store(row, oldest.to(out.dtype.element_ty), mask=cm)
 
 
-def _unit_stride(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def unit_stride(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """The kernels index the last dimension directly."""
     return tuple(t if t.stride(-1) == 1 else t.contiguous() for t in tensors)
 
@@ -114,7 +127,7 @@ def tree_causal_conv1d(
         if keep_input is not None:
             keep_input.copy_(x)
         return tree_causal_conv1d_reference(x, weight, parents, conv_window, activation)
-    x, weight, conv_window, parents = _unit_stride(x, weight, conv_window, parents.contiguous())
+    x, weight, conv_window, parents = unit_stride(x, weight, conv_window, parents.contiguous())
     y = torch.empty(B, N, C, dtype=x.dtype, device=x.device)
     BC = min(1024, triton.next_power_of_2(C))
     _tree_conv_kernel[(triton.cdiv(C, BC), B * N)](
@@ -143,7 +156,7 @@ def tree_conv_commit(
         return window if out is None else out.copy_(window)
     if out is not None and (not out.is_contiguous() or out.shape != conv_window.shape):
         raise ValueError(f"out must be a contiguous {tuple(conv_window.shape)} tensor")
-    x, parents = _unit_stride(x, parents.contiguous())
+    x, parents = unit_stride(x, parents.contiguous())
     window = conv_window if conv_window.stride(-1) == 1 or out is conv_window else conv_window.contiguous()
     acc = accepted.contiguous()
     acc = acc.view(torch.uint8) if acc.dtype == torch.bool else acc.to(torch.uint8)

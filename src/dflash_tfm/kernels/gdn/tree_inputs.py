@@ -18,7 +18,7 @@ import triton.language as tl
 
 from dflash_tfm.kernels import use_triton
 from dflash_tfm.kernels.conv.reference import WIDTH, check_tree_conv_inputs, tree_causal_conv1d_reference
-from dflash_tfm.kernels.conv.tree_conv import chain_input, chain_up
+from dflash_tfm.kernels.conv.tree_conv import tree_conv_row, unit_stride
 from dflash_tfm.kernels.gdn.fused_decode import gdn_gates, round_to
 
 MAX_BLOCK = 1024  # channels per program
@@ -40,15 +40,8 @@ def _gdn_tree_inputs_kernel(
     if cb * BC < C:
         offs_c = cb * BC + tl.arange(0, BC)
         cm = offs_c < C
-        a = i  # chain index: node, then ancestors, then window slots
-        acc = tl.zeros([BC], dtype=tl.float32)
-        for t in tl.static_range(4):  # t = 0 is the node itself; weight column 3 − t
-            w_t = tl.load(weight + offs_c * swt_c + (3 - t), mask=cm, other=0.0).to(tl.float32)
-            x_t = chain_input(proj, window, b, a, offs_c, cm, sp_b, sp_n, sw_b, sw_c)
-            if KEEP and t == 0:
-                tl.store(keep + (b * N + i) * C + offs_c, x_t.to(keep.dtype.element_ty), mask=cm)
-            acc += w_t * x_t
-            a = chain_up(parents, b, N, a)
+        acc = tree_conv_row(proj, weight, parents, window, keep, b, i, N, C, offs_c, cm, sp_b, sp_n, sw_b, sw_c,
+                            swt_c, BC, KEEP)
         out = round_to(acc * tl.sigmoid(acc), dt)
         if cb * BC < QK:  # q/k groups in this block: x · rsqrt(Σx² + 1e-6) per dk channels
             groups = tl.reshape(out, [BC // DK, DK])
@@ -110,9 +103,7 @@ def gdn_tree_inputs(
     if not use_triton(proj) or not fusable(dk, C):
         return gdn_tree_inputs_reference(proj, conv_weight, A_log, dt_bias, parents, conv_window, hk, dk, hv, dv,
                                          keep_input)
-    proj = proj if proj.stride(-1) == 1 else proj.contiguous()
-    conv_window = conv_window if conv_window.stride(-1) == 1 else conv_window.contiguous()
-    conv_weight = conv_weight if conv_weight.stride(-1) == 1 else conv_weight.contiguous()
+    proj, conv_window, conv_weight = unit_stride(proj, conv_window, conv_weight)
     y = torch.empty(B, N, C, dtype=proj.dtype, device=proj.device)
     beta = torch.empty(B, N, hv, dtype=torch.float32, device=proj.device)
     g = torch.empty_like(beta)
