@@ -169,6 +169,7 @@ def test_triton_chunk_block_edges_batch_and_dims(N: int, block_size: int, triton
 # "tf32"/"tf32x3" run as fp32; on a GPU "tf32" rounds the inputs to 10 mantissa bits.
 CHUNK_OPTIONS = [
     (33, {"solve": "split"}),
+    (70, {"solve": "split", "gram_pairs": False, "state_block_v": 16}),  # row-block Gram; 3 dv programs per row
     (70, {"solve": "split", "solve_width": 64, "gram_pairs": True, "num_stages": 1, "precision": "tf32x3"}),
     (21, {"solve": "split", "block_size": 32, "state_block_v": 32, "block_v": 64, "num_warps": 2}),
     (40, {"solve": "split", "block_size": 32, "solve_width": 64, "block_v": 16, "precision": "tf32",

@@ -125,7 +125,7 @@ def test_triton_weaver_tree_with_kernels_equals_torch_builder(budget: int, imple
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("rescore_tile, publish_warps", zip(weaver_round.RESCORE_TILES, ["default", "w1", "w2", "w1"]))
+@pytest.mark.parametrize("rescore_tile, publish_warps", list(zip(weaver_round.RESCORE_TILES, ["default", "w1", "w2", "w1"])))
 def test_round_kernels_match_twins_at_published_shapes(rescore_tile: str, publish_warps: str, monkeypatch) -> None:
     """Vocabulary 248320, d_rank 2048, pool 512, K 15, a 65-node tree, W = 4 nodes, bf16 W_res (issue 4's shapes),
     every timed launch shape of the re-scoring and the publishing."""

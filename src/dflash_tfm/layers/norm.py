@@ -5,7 +5,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash_tfm.layers.compile import fuse_on_cuda
+from dflash_tfm.kernels.norm.add_rms_norm import MAX_WIDTH, add_rms_norm_rows
+
+from dflash_tfm.layers.compile import fuse_on_cuda, small_enough_to_fuse
+from dflash_tfm.layers.measured_choice import MeasuredChoice
+
+# Residual add + norm of a few rows: inductor's fused kernel, or one Triton program per row
+# (`kernels/norm/add_rms_norm.py`), whichever measured faster for the shape.
+add_norm_rows_choice = MeasuredChoice(default="inductor")
 
 
 @fuse_on_cuda
@@ -41,7 +48,21 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps, self.plus_one)
 
     def add_forward(self, h: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return add_rms_norm(h, delta, self.weight, self.eps, self.plus_one)
+        """(h + delta, norm(h + delta)). On CUDA without autograd, for up to a verify's rows, the one-pass
+        Triton kernel where it measured faster (`add_norm_rows_choice`)."""
+        def inductor() -> tuple[torch.Tensor, torch.Tensor]:
+            return add_rms_norm(h, delta, self.weight, self.eps, self.plus_one)
+
+        def triton_rows() -> tuple[torch.Tensor, torch.Tensor]:
+            return add_rms_norm_rows(h, delta, self.weight, self.eps, self.plus_one)
+
+        differentiable = torch.is_grad_enabled() and (h.requires_grad or delta.requires_grad or self.weight.requires_grad)
+        if differentiable or not (h.is_cuda and small_enough_to_fuse(h, count_rows=True)
+                                  and h.shape[-1] <= MAX_WIDTH and delta.dtype == h.dtype):
+            return inductor()
+        key = (h.numel() // h.shape[-1], h.shape[-1], h.dtype, self.weight.dtype, self.plus_one)
+        name = add_norm_rows_choice.pick(key, lambda: {"inductor": inductor, "triton rows": triton_rows})
+        return triton_rows() if name == "triton rows" else inductor()
 
 
 @fuse_on_cuda

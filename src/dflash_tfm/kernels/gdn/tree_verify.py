@@ -84,21 +84,14 @@ def _gdn_tree_gram_kernel(
     q_i = tl.load(q + b * sq_b + rows[:, None] * sq_n + h * sq_h + offs_k[None, :], mask=ld, other=0.0)
     k_i = tl.load(k + b * sk_b + rows[:, None] * sk_n + h * sk_h + offs_k[None, :], mask=ld, other=0.0)
     q_i, k_i = q_i.to(tl.float32), k_i.to(tl.float32)
-    heads = h * R + tl.arange(0, RP)
-    hmask = tl.arange(0, RP) < R
-    G_i = tl.zeros([BT, RP], dtype=tl.float32)
     gram = kk + (b * HK + h) * NP * NP + rows[:, None] * NP
     qgram = qk + (b * HK + h) * NP * NP + rows[:, None] * NP
     if PAIRS:
         j_lo = tl.program_id(2)
         j_hi = tl.minimum(j_lo + 1, i + 1)  # empty above the diagonal
-        g_hi = tl.where(j_lo == 0, i + 1, 0)
-        store_G = j_lo == 0
     else:
         j_lo = 0
         j_hi = i + 1
-        g_hi = 0
-        store_G = True
     for j in range(j_lo, j_hi):
         cols = j * BT + tl.arange(0, BT)
         ldj = (cols[:, None] < N) & (offs_k[None, :] < DK)
@@ -110,19 +103,28 @@ def _gdn_tree_gram_kernel(
         qk_ij = tl.dot(q_i, tl.trans(k_j), input_precision=PREC) * scale
         tl.store(gram + cols[None, :], tl.where(strict, kk_ij, 0.0))
         tl.store(qgram + cols[None, :], tl.where(anc, qk_ij, 0.0))
-        if not PAIRS:
-            g_j = tl.load(g + b * sg_b + cols[:, None] * sg_n + heads[None, :] * sg_h,
-                          mask=(cols[:, None] < N) & hmask[None, :], other=0.0).to(tl.float32)
-            G_i += tl.sum(tl.where(anc[:, :, None], g_j[None, :, :], 0.0), axis=1)
-    for j in range(0, g_hi):  # PAIRS: G of this row block, in its column-block-0 program
-        cols = j * BT + tl.arange(0, BT)
-        anc = _ancestor_tile(bits + b * N * W, rows, j * BT, N, W, BT)
-        g_j = tl.load(g + b * sg_b + cols[:, None] * sg_n + heads[None, :] * sg_h,
+    if j_lo == 0:  # G of this row block's value heads (with PAIRS: in its column-block-0 program)
+        _path_decay_rows(g, bits + b * N * W, G + b * N * HK * R, rows, N, W, h * R, R, HK * R, b * sg_b, sg_n, sg_h,
+                         RP)
+
+
+@triton.jit
+def _path_decay_rows(g, bits, G, rows, N, W, h0, R, HV, g_off, sg_n, sg_h, RP: tl.constexpr):
+    """G[rows, h0 + r] = Σ_{m ∈ anc⁺(row)} g[m, h0 + r] for r < R, one bitset word (64 nodes) per step: each
+    step is one 0/1-masked dot ([rows, 64] · [64, heads], fp32 FMA), so there is no serial chain of loads per
+    column block. G: [N, HV] of one batch entry; RP ≥ 16 (a dot's width) covers R."""
+    heads = h0 + tl.arange(0, RP)
+    hmask = tl.arange(0, RP) < R
+    offs = tl.arange(0, 64)
+    G_i = tl.zeros([rows.shape[0], RP], dtype=tl.float32)
+    for w in range(0, W):
+        cols = w * 64 + offs
+        word = tl.load(bits + rows * W + w, mask=rows < N, other=0)
+        anc = ((word[:, None] >> offs.to(tl.int64)[None, :]) & 1).to(tl.float32)
+        g_w = tl.load(g + g_off + cols[:, None] * sg_n + heads[None, :] * sg_h,
                       mask=(cols[:, None] < N) & hmask[None, :], other=0.0).to(tl.float32)
-        G_i += tl.sum(tl.where(anc[:, :, None], g_j[None, :, :], 0.0), axis=1)
-    HV = HK * R
-    tl.store(G + (b * N + rows[:, None]) * HV + heads[None, :], G_i,
-             mask=(rows[:, None] < N) & hmask[None, :] & store_G)
+        G_i += tl.dot(anc, g_w, input_precision="ieee")
+    tl.store(G + rows[:, None] * HV + heads[None, :], G_i, mask=(rows[:, None] < N) & hmask[None, :])
 
 
 @triton.jit(do_not_specialize=["N"])  # one compile for every tree size
@@ -525,7 +527,7 @@ def gdn_tree_verify(
         qk = torch.empty_like(kk)
         _gdn_tree_gram_kernel[(nb, B * HK, nb) if gram_pairs else (nb, B * HK)](
             q, k, g, bits, kk, qk, G, N, bits.shape[-1], HK, R, NP, scale,
-            *q.stride()[:3], *k.stride()[:3], *g.stride(), DK=dk, BK=BK, BT=BT, RP=triton.next_power_of_2(R),
+            *q.stride()[:3], *k.stride()[:3], *g.stride(), DK=dk, BK=BK, BT=BT, RP=max(16, triton.next_power_of_2(R)),
             PAIRS=gram_pairs, PREC=solve_precision, num_warps=warps)
     if solve == "subst":
         _gdn_tree_solve_kernel[grid](
