@@ -6,7 +6,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash_tfm.kernels.norm.add_rms_norm import MAX_WIDTH, add_rms_norm_rows
-
 from dflash_tfm.layers.compile import fuse_on_cuda, small_enough_to_fuse
 from dflash_tfm.layers.measured_choice import MeasuredChoice
 

@@ -40,21 +40,10 @@ import triton.language as tl
 
 from dflash_tfm.kernels import use_triton
 from dflash_tfm.kernels.gdn.reference import gdn_recurrent_reference
+from dflash_tfm.kernels.rounding import round_to
 from dflash_tfm.layers.norm import gated_rms_norm
 
 CONV_WIDTH = 4
-
-
-@triton.jit
-def round_to(x, dt: tl.constexpr):
-    """fp32 ``x`` rounded to nearest-even in ``dt``, returned as fp32. bf16 is rounded with integer ops because
-    Triton's CPU interpreter truncates fp32 → bf16 casts (the GPU rounds; the result is the same there)."""
-    if dt == tl.bfloat16:
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        return bits.to(tl.float32, bitcast=True)
-    else:
-        return x.to(dt).to(tl.float32)
 
 
 @triton.jit

@@ -19,7 +19,8 @@ import triton.language as tl
 from dflash_tfm.kernels import use_triton
 from dflash_tfm.kernels.conv.reference import WIDTH, check_tree_conv_inputs, tree_causal_conv1d_reference
 from dflash_tfm.kernels.conv.tree_conv import tree_conv_row, unit_stride
-from dflash_tfm.kernels.gdn.fused_decode import gdn_gates, round_to
+from dflash_tfm.kernels.gdn.fused_decode import gdn_gates
+from dflash_tfm.kernels.rounding import round_to
 
 MAX_BLOCK = 1024  # channels per program
 

@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from dflash_tfm.kernels import use_triton
+from dflash_tfm.kernels.rounding import round_to
 
 MAX_WIDTH = 16384  # one row in one program's registers
 
@@ -20,21 +21,20 @@ MAX_WIDTH = 16384  # one row in one program's registers
 @triton.jit
 def _add_rms_norm_kernel(h, delta, w, h_out, y, K, eps, PLUS_ONE: tl.constexpr, BK: tl.constexpr):
     """Grid (rows,). h, delta, h_out: [rows, K] contiguous, model dtype; w [K]; y [rows, K]."""
+    dt: tl.constexpr = h_out.dtype.element_ty
     row = tl.program_id(0).to(tl.int64) * K
     offs = tl.arange(0, BK)
     km = offs < K
-    s = tl.load(h + row + offs, mask=km, other=0.0).to(tl.float32) + \
-        tl.load(delta + row + offs, mask=km, other=0.0).to(tl.float32)
-    s = s.to(h_out.dtype.element_ty)
-    tl.store(h_out + row + offs, s, mask=km)
-    x = s.to(tl.float32)
+    x = round_to(tl.load(h + row + offs, mask=km, other=0.0).to(tl.float32)
+                 + tl.load(delta + row + offs, mask=km, other=0.0).to(tl.float32), dt)
+    tl.store(h_out + row + offs, x.to(dt), mask=km)
     normed = x * tl.rsqrt(tl.sum(x * x, axis=0) / K + eps)
     wt = tl.load(w + offs, mask=km, other=0.0).to(tl.float32)
     if PLUS_ONE:
         out = normed * (1.0 + wt)
     else:
-        out = wt * normed.to(h_out.dtype.element_ty).to(tl.float32)
-    tl.store(y + row + offs, out.to(y.dtype.element_ty), mask=km)
+        out = wt * round_to(normed, dt)
+    tl.store(y + row + offs, round_to(out, y.dtype.element_ty).to(y.dtype.element_ty), mask=km)
 
 
 def add_rms_norm_rows(
