@@ -15,11 +15,12 @@ the base config at N = 65, and prints the best config (fastest at N = 65 within 
 About 1–2 minutes on an H200, most of it compiling; ``--budget`` seconds stops starting new configs.
 
     python benchmarks/bench_tree_kernels.py [--ns 16 32 65 129] [--gdn-layers 48]
-    python -m benchmarks.bench_tree_kernels --sweep [--sweep-ns 16 65 129] [--budget 150]
+    python -m benchmarks.bench_tree_kernels --sweep [--sweep-ns 16 65 129] [--budget 150] [--configs '{}' ...]
 """
 from __future__ import annotations
 
 import argparse
+import json
 import time
 
 import torch
@@ -103,6 +104,8 @@ SWEEP_ONE_OFF = [  # one change each to SWEEP_BASE: the greedy combination adopt
     {"solve_precision": "tf32x3"},
     {"block_size": 32},
     {"fuse_gram": True},
+    {"gram_native": True},
+    {"pdl": True},
 ]
 SWEEP_OTHERS = [
     {},                                                  # the default: subst, b16, bv32, ieee
@@ -118,8 +121,9 @@ def label(options: dict) -> str:
     return " ".join(f"{k}={v}" for k, v in options.items()) or "default"
 
 
-def bench_sweep(ns: list[int], layers: int, budget: float) -> None:
-    """Time chunk-kernel options (module docstring); one markdown row per config, printed as it finishes."""
+def bench_sweep(ns: list[int], layers: int, budget: float, configs: list[dict] | None = None) -> None:
+    """Time chunk-kernel options (module docstring); one markdown row per config, printed as it finishes.
+    ``configs``: time only these option sets ({} = the defaults), no greedy combination."""
     start = time.perf_counter()
     states = [0.5 * torch.randn(1, HV, DK, DV, device="cuda") for _ in range(layers)]
     cases = {}
@@ -162,6 +166,10 @@ def bench_sweep(ns: list[int], layers: int, budget: float) -> None:
         print(f"| {name} | " + " | ".join(f"{times[n]:.1f}" for n in ns)
               + f" | {err_o:.1e} | {err_u:.1e} | {first:.1f} |", flush=True)
 
+    if configs is not None:
+        for options in configs:
+            run(options)
+        return
     for options in SWEEP_OTHERS:
         run(options)
     run(SWEEP_BASE)
@@ -234,10 +242,12 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="time the chunk kernel's tuning options instead")
     parser.add_argument("--sweep-ns", type=int, nargs="+", default=[16, 65, 129])
     parser.add_argument("--budget", type=float, default=150.0, help="--sweep: seconds after which no config starts")
+    parser.add_argument("--configs", type=json.loads, nargs="+",
+                        help="--sweep: only these JSON option sets, e.g. '{}' '{\"gram_native\": true}'")
     args = parser.parse_args()
     print(f"device: {torch.cuda.get_device_name()}")
     if args.sweep:
-        bench_sweep(args.sweep_ns, args.gdn_layers, args.budget)
+        bench_sweep(args.sweep_ns, args.gdn_layers, args.budget, args.configs)
         return
     bench_gdn(args.ns, args.gdn_layers)
     bench_attention_and_conv(args.attn_n, args.attn_layers, args.gdn_layers)

@@ -48,7 +48,8 @@ import torch
 import triton
 import triton.language as tl
 
-from dflash_tfm.kernels import use_triton
+from dflash_tfm.kernels import TRITON_INTERPRETED, use_triton
+from dflash_tfm.kernels.dependent_launch import can_launch_dependent, wait_then_release
 from dflash_tfm.kernels.gdn.tree_reference import GDNTreeContext, check_gdn_tree_inputs, gdn_tree_verify_reference
 from dflash_tfm.spec.tree import ancestor_bitsets
 
@@ -70,11 +71,13 @@ def _gdn_tree_gram_kernel(
     N, W, HK, R, NP, scale,
     sq_b, sq_n, sq_h, sk_b, sk_n, sk_h, sg_b, sg_n, sg_h,
     DK: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, RP: tl.constexpr,
-    PAIRS: tl.constexpr, PREC: tl.constexpr,
+    PAIRS: tl.constexpr, PREC: tl.constexpr, NATIVE: tl.constexpr, PDL: tl.constexpr,
 ):
     """Grid (cdiv(N, BT), B·HK) — or (cdiv(N, BT), B·HK, cdiv(N, BT)) with PAIRS: one column block per program
     (programs above the diagonal do nothing; column block 0 also sums G). kk, qk: [B, HK, NP, NP] fp32 (lower
-    block triangle written); G: [B, N, HV]."""
+    block triangle written); G: [B, N, HV]. NATIVE: the dots take q, k in their 16-bit dtype (tensor cores;
+    the products are exact in fp32, so only the fp32 summation order differs from PREC="ieee")."""
+    wait_then_release(PDL)
     i = tl.program_id(0)
     b = tl.program_id(1) // HK
     h = tl.program_id(1) % HK
@@ -83,7 +86,8 @@ def _gdn_tree_gram_kernel(
     ld = (rows[:, None] < N) & (offs_k[None, :] < DK)
     q_i = tl.load(q + b * sq_b + rows[:, None] * sq_n + h * sq_h + offs_k[None, :], mask=ld, other=0.0)
     k_i = tl.load(k + b * sk_b + rows[:, None] * sk_n + h * sk_h + offs_k[None, :], mask=ld, other=0.0)
-    q_i, k_i = q_i.to(tl.float32), k_i.to(tl.float32)
+    if not NATIVE:
+        q_i, k_i = q_i.to(tl.float32), k_i.to(tl.float32)
     gram = kk + (b * HK + h) * NP * NP + rows[:, None] * NP
     qgram = qk + (b * HK + h) * NP * NP + rows[:, None] * NP
     if PAIRS:
@@ -96,11 +100,15 @@ def _gdn_tree_gram_kernel(
         cols = j * BT + tl.arange(0, BT)
         ldj = (cols[:, None] < N) & (offs_k[None, :] < DK)
         k_j = tl.load(k + b * sk_b + cols[:, None] * sk_n + h * sk_h + offs_k[None, :], mask=ldj, other=0.0)
-        k_j = k_j.to(tl.float32)
         anc = _ancestor_tile(bits + b * N * W, rows, j * BT, N, W, BT)
         strict = anc & (rows[:, None] != cols[None, :])
-        kk_ij = tl.dot(k_i, tl.trans(k_j), input_precision=PREC)
-        qk_ij = tl.dot(q_i, tl.trans(k_j), input_precision=PREC) * scale
+        if NATIVE:
+            kk_ij = tl.dot(k_i, tl.trans(k_j))
+            qk_ij = tl.dot(q_i, tl.trans(k_j)) * scale
+        else:
+            k_j = k_j.to(tl.float32)
+            kk_ij = tl.dot(k_i, tl.trans(k_j), input_precision=PREC)
+            qk_ij = tl.dot(q_i, tl.trans(k_j), input_precision=PREC) * scale
         tl.store(gram + cols[None, :], tl.where(strict, kk_ij, 0.0))
         tl.store(qgram + cols[None, :], tl.where(anc, qk_ij, 0.0))
     if j_lo == 0:  # G of this row block's value heads (with PAIRS: in its column-block-0 program)
@@ -133,9 +141,10 @@ def _gdn_tree_solve_kernel(
     N, HK, R, NP, scale,
     sq_b, sq_n, sq_h, sk_b, sk_n, sk_h, sv_b, sv_n, sv_h, sb_b, sb_n, sb_h, ss_b, ss_h, ss_k,
     DK: tl.constexpr, DV: tl.constexpr, BKC: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
-    LOG_BT: tl.constexpr, PREC: tl.constexpr, SPREC: tl.constexpr,
+    LOG_BT: tl.constexpr, PREC: tl.constexpr, SPREC: tl.constexpr, PDL: tl.constexpr,
 ):
     """solve="subst". Grid (cdiv(dv, BV), B·HV). u: [B, N, HV, dv] fp32 (written, then re-read); o: [B, N, HV, dv]."""
+    wait_then_release(PDL)
     HV = HK * R
     b = tl.program_id(1) // HV
     hv = tl.program_id(1) % HV
@@ -238,11 +247,12 @@ def _gdn_tree_prep_kernel(
     N, HK, R, NP, NSV, scale,
     sq_b, sq_n, sq_h, sk_b, sk_n, sk_h, sv_b, sv_n, sv_h, sb_b, sb_n, sb_h, ss_b, ss_h, ss_k,
     DK: tl.constexpr, DV: tl.constexpr, BKC: tl.constexpr, BVS: tl.constexpr, BT: tl.constexpr,
-    LOG_BT: tl.constexpr, PREC: tl.constexpr, SPREC: tl.constexpr,
+    LOG_BT: tl.constexpr, PREC: tl.constexpr, SPREC: tl.constexpr, PDL: tl.constexpr,
 ):
     """solve="split", step 2. Grid (cdiv(N, BT), NSV = cdiv(dv, BVS), B·HV), all programs independent.
     w, o0: [B, N, HV, dv] fp32 (T_i β(V − e^G K S0) and e^G Q S0); At, M: [B, HV, NP, NP] fp32 (lower block
     triangle: Ã strictly below the diagonal blocks, M including them)."""
+    wait_then_release(PDL)
     HV = HK * R
     i = tl.program_id(0)
     vb = tl.program_id(1)
@@ -300,10 +310,12 @@ def _gdn_tree_prep_fused_kernel(
     sq_b, sq_n, sq_h, sk_b, sk_n, sk_h, sv_b, sv_n, sv_h, sg_b, sg_n, sg_h, sb_b, sb_n, sb_h, ss_b, ss_h, ss_k,
     DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BKC: tl.constexpr, BVS: tl.constexpr,
     BT: tl.constexpr, LOG_BT: tl.constexpr, NPOW: tl.constexpr, PREC: tl.constexpr, SPREC: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """solve="split" with fuse_gram: step 2 straight from q, k, g and the bitsets (no Gram launch). Same grid and
     outputs as _gdn_tree_prep_kernel, plus G (written by the dv-block-0 programs); the Gram tiles are
     recomputed per value head."""
+    wait_then_release(PDL)
     HV = HK * R
     i = tl.program_id(0)
     vb = tl.program_id(1)
@@ -349,10 +361,12 @@ def _gdn_tree_subst_kernel(
     u, o0, At, M, o,
     N, HV, NP,
     DV: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, JW: tl.constexpr, SPREC: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """solve="split", step 3. Grid (cdiv(dv, BV), B·HV). u holds W on entry and the solved U on exit (each row
     block read, then overwritten by the same program); later row blocks re-read solved rows after a barrier.
     The next row block's W, O0 and diagonal M tile, which do not depend on the solve, are loaded a step ahead."""
+    wait_then_release(PDL)
     b = tl.program_id(1) // HV
     hv = tl.program_id(1) % HV
     offs_v = tl.program_id(0) * BV + tl.arange(0, BV)
@@ -440,8 +454,8 @@ def gdn_tree_verify(
     ancestors: torch.Tensor | None = None, block_size: int = 16, *, solve: str = "split",
     precision: str = "tf32", solve_precision: str = "ieee", block_v: int | None = 32,
     num_warps: int | None = None, num_stages: int | None = 1, gram_pairs: bool = True,
-    state_block_v: int = 64, solve_width: int | None = None, fuse_gram: bool = False,
-    u_out: torch.Tensor | None = None, G_out: torch.Tensor | None = None,
+    state_block_v: int = 64, solve_width: int | None = None, fuse_gram: bool = False, gram_native: bool = True,
+    u_out: torch.Tensor | None = None, G_out: torch.Tensor | None = None, pdl: bool = False,
 ) -> tuple[torch.Tensor, GDNTreeContext]:
     """Outputs of all N tree nodes of one GDN layer from the committed state; writes no state.
 
@@ -462,11 +476,16 @@ def gdn_tree_verify(
     kernel; ``gram_pairs`` one Gram program per (row, column) block pair; ``state_block_v`` the dv block of
     the split solver's parallel state-product kernel; ``solve_width`` solved rows per dot in the split
     solver's substitution (a power-of-2 multiple of ``block_size``; default ``block_size``); ``fuse_gram``
-    (split only) computes the Gram tiles and G inside the state-product kernel: two launches instead of three.
+    (split only) computes the Gram tiles and G inside the state-product kernel: two launches instead of three;
+    ``gram_native`` runs the Gram kernel's dots on q and k as they come when they are bf16 / fp16 (tensor cores,
+    exact products, fp32 sums) instead of at ``solve_precision``.
 
     ``u_out`` / ``G_out`` (chunk kernel, both or neither; contiguous fp32 ``[B, N, HV, dv]`` / ``[B, N, HV]``)
     receive the context's solved rows and path decays instead of new tensors: slices of layer-stacked
     buffers let the model's commit fold every layer in one launch without stacking copies.
+
+    ``pdl`` launches the chunk kernels with programmatic dependent launch (``kernels/dependent_launch.py``;
+    ignored below sm_90): each starts while the previous kernel drains and waits for its writes on the GPU.
     """
     B, N, HK, HV, R, dk, dv = check_gdn_tree_inputs(q, k, v, g, beta, parents, initial_state)
     if kernel not in ("chunk", "recurrent"):
@@ -516,19 +535,24 @@ def gdn_tree_verify(
     NP = nb * BT
     LOG_BT = BT.bit_length() - 1
     warps = 4 if BT == 16 else 8  # no register spills on sm_90 at 27B shapes (ptxas -v)
-    launch = {"num_warps": warps if num_warps is None else num_warps}
+    pdl = pdl and can_launch_dependent(q)
+    chain = {"PDL": pdl, "launch_pdl": pdl}
+    launch = {"num_warps": warps if num_warps is None else num_warps, **chain}
     if num_stages is not None:
         launch["num_stages"] = num_stages
     G = torch.empty(B, N, HV, dtype=torch.float32, device=q.device) if G_out is None else G_out
     u = torch.empty(B, N, HV, dv, dtype=torch.float32, device=q.device) if u_out is None else u_out
     ctx = GDNTreeContext(initial_state=initial_state, k=k, u=u, G=G)
     if not fuse_gram:
+        # Triton's CPU interpreter gets 16-bit dots wrong (garbage, not rounding): there the tiles stay fp32
+        native = (gram_native and not TRITON_INTERPRETED and q.dtype in (torch.bfloat16, torch.float16)
+                  and k.dtype == q.dtype)
         kk = torch.empty(B, HK, NP, NP, dtype=torch.float32, device=q.device)
         qk = torch.empty_like(kk)
         _gdn_tree_gram_kernel[(nb, B * HK, nb) if gram_pairs else (nb, B * HK)](
             q, k, g, bits, kk, qk, G, N, bits.shape[-1], HK, R, NP, scale,
             *q.stride()[:3], *k.stride()[:3], *g.stride(), DK=dk, BK=BK, BT=BT, RP=max(16, triton.next_power_of_2(R)),
-            PAIRS=gram_pairs, PREC=solve_precision, num_warps=warps)
+            PAIRS=gram_pairs, PREC=solve_precision, NATIVE=native, num_warps=warps, **chain)
     if solve == "subst":
         _gdn_tree_solve_kernel[grid](
             q, k, v, beta, S0, kk, qk, G, u, o, N, HK, R, NP, scale,
@@ -540,7 +564,7 @@ def gdn_tree_verify(
     M = torch.empty_like(At)
     NSV = triton.cdiv(dv, state_block_v)
     prep = {"DK": dk, "DV": dv, "BKC": min(32, BK), "BVS": state_block_v, "BT": BT, "LOG_BT": LOG_BT,
-            "PREC": precision, "SPREC": solve_precision, "num_warps": warps}
+            "PREC": precision, "SPREC": solve_precision, "num_warps": warps, **chain}
     if fuse_gram:
         _gdn_tree_prep_fused_kernel[(nb, NSV, B * HV)](
             q, k, v, g, beta, bits, S0, G, u, o0, At, M, N, bits.shape[-1], HK, R, NP, NSV, scale,
