@@ -105,7 +105,6 @@ SWEEP_ONE_OFF = [  # one change each to SWEEP_BASE: the greedy combination adopt
     {"block_size": 32},
     {"fuse_gram": True},
     {"gram_native": True},
-    {"pdl": True},
 ]
 SWEEP_OTHERS = [
     {},                                                  # the default: subst, b16, bv32, ieee

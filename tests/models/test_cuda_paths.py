@@ -61,14 +61,11 @@ def test_graph_decode_matches_full_prefill(target) -> None:
         assert rel_err(logits[0], ref[t]) <= TOLERANCE[dtype], f"position {t}"
 
 
-@pytest.mark.parametrize("paths", [("unfused", "tree_kernel", "plain"), ("fused", "tree_kernel s1", "plain"),
-                                   ("fused", "tree_kernel", "pdl")])
+@pytest.mark.parametrize("paths", [("unfused", "tree_kernel"), ("fused", "tree_kernel s1")])
 def test_triton_verify_and_commit_match_plain_decoding(target, paths, monkeypatch) -> None:
-    """Both GDN verify-input paths, both split modes of the tree attention and both launch modes of the GDN
-    tree kernels (forced)."""
+    """Both GDN verify-input paths and both split modes of the tree attention (forced)."""
     monkeypatch.setattr(gated_deltanet.gdn_tree_inputs_choice, "choices", Always(paths[0]))
     monkeypatch.setattr(attention.verify_attention_choice, "choices", Always(paths[1]))
-    monkeypatch.setattr(gated_deltanet.gdn_tree_launch_choice, "choices", Always(paths[2]))
     model, dtype = target
     gen = torch.Generator("cuda").manual_seed(1)
     prompt = torch.randint(0, 256, (40,), device="cuda", generator=gen)

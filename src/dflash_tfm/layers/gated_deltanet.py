@@ -60,9 +60,6 @@ def split_heads(conv_out: torch.Tensor, hk: int, dk: int, hv: int, dv: int) -> t
 fused_split_projection = fuse_on_cuda(split_projection)
 fused_split_heads = fuse_on_cuda(split_heads)
 gdn_tree_inputs_choice = MeasuredChoice(default="unfused")
-# The verify inputs and the tree solve launched plainly or with programmatic dependent launch (each kernel's
-# programs start while the previous kernel drains: kernels/dependent_launch.py), timed per shape.
-gdn_tree_launch_choice = MeasuredChoice(default="plain")
 
 
 @fuse_on_cuda
@@ -162,26 +159,16 @@ class GatedDeltaNet(nn.Module):
         from the committed state and conv window, which are only read. Returns what `commit` needs; `keep`
         (this layer's `GDNCommitStacks.layer` slices, chunk kernel) receives it in place."""
         keep_mixed, u_out, G_out = (None, None, None) if keep is None else keep
-
-        def mixer(pdl: bool) -> tuple[torch.Tensor, torch.Tensor, GDNTreeContext]:
-            q, k, v, z, beta, g = self.tree_inputs(proj, parents, conv_window, keep_mixed, pdl)
-            o, ctx = gdn_tree_verify(q, k, v, g, beta, parents, state, kernel=kernel, ancestors=ancestors,
-                                     u_out=u_out, G_out=G_out, pdl=pdl)
-            return o, z, ctx
-
-        key = (*proj.shape, proj.dtype, kernel, self.hk, self.dk, self.hv, self.dv)
-        name = gdn_tree_launch_choice.pick(key, lambda: {"plain": lambda: mixer(False), "pdl": lambda: mixer(True)},
-                                           can_time=proj.is_cuda and kernel == "chunk")
-        o, z, ctx = mixer(name == "pdl")
+        q, k, v, z, beta, g = self.tree_inputs(proj, parents, conv_window, keep_mixed)
+        o, ctx = gdn_tree_verify(q, k, v, g, beta, parents, state, kernel=kernel, ancestors=ancestors,
+                                 u_out=u_out, G_out=G_out)
         return self.output(o, z), (proj[..., : self.conv_dim] if keep_mixed is None else keep_mixed, ctx)
 
     def tree_inputs(
         self, proj: torch.Tensor, parents: torch.Tensor, conv_window: torch.Tensor, keep_mixed: torch.Tensor | None,
-        pdl: bool = False,
     ) -> tuple[torch.Tensor, ...]:
         """(q, k, v, z, beta, g) of the tree nodes: three kernels (β/g, tree conv, q/k norm) or the one-launch
-        `gdn_tree_inputs` (with programmatic dependent launch if `pdl`), whichever measured faster for the
-        shape (`gdn_tree_inputs_choice`)."""
+        `gdn_tree_inputs`, whichever measured faster for the shape (`gdn_tree_inputs_choice`)."""
         def unfused() -> tuple[torch.Tensor, ...]:
             mixed, z, beta, g = fused_split_projection(
                 proj, self.A_log, self.dt_bias, self.conv_dim, self.hv, self.dv)
@@ -190,7 +177,7 @@ class GatedDeltaNet(nn.Module):
 
         def fused() -> tuple[torch.Tensor, ...]:
             return gdn_tree_inputs(proj, self.conv_weight, self.A_log, self.dt_bias, parents, conv_window,
-                                   self.hk, self.dk, self.hv, self.dv, keep_input=keep_mixed, pdl=pdl)
+                                   self.hk, self.dk, self.hv, self.dv, keep_input=keep_mixed)
 
         key = (*proj.shape, proj.dtype, self.hk, self.dk, self.hv, self.dv)
         name = gdn_tree_inputs_choice.pick(key, lambda: {"unfused": unfused, "fused": fused}, can_time=proj.is_cuda)

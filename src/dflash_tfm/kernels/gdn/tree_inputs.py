@@ -19,7 +19,6 @@ import triton.language as tl
 from dflash_tfm.kernels import use_triton
 from dflash_tfm.kernels.conv.reference import WIDTH, check_tree_conv_inputs, tree_causal_conv1d_reference
 from dflash_tfm.kernels.conv.tree_conv import tree_conv_row, unit_stride
-from dflash_tfm.kernels.dependent_launch import can_launch_dependent, wait_then_release
 from dflash_tfm.kernels.gdn.fused_decode import gdn_gates
 from dflash_tfm.kernels.rounding import round_to
 
@@ -31,11 +30,10 @@ def _gdn_tree_inputs_kernel(
     proj, weight, parents, window, a_log, dt_bias, y, keep, beta, g,
     N, sp_b, sp_n, sw_b, sw_c, swt_c,
     C: tl.constexpr, QK: tl.constexpr, VD: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr,
-    BC: tl.constexpr, HVP: tl.constexpr, KEEP: tl.constexpr, PDL: tl.constexpr,
+    BC: tl.constexpr, HVP: tl.constexpr, KEEP: tl.constexpr,
 ):
     """Grid (cdiv(C, BC) + 1, B·N). proj: [B, N, C + VD + 2·HV] (unit last stride); y, keep: [B, N, C]
     contiguous; beta, g: [B, N, HV] fp32 contiguous. Channels below QK are q and k (normalised per DK)."""
-    wait_then_release(PDL)
     cb = tl.program_id(0)
     b = tl.program_id(1) // N
     i = tl.program_id(1) % N
@@ -88,14 +86,13 @@ def fusable(dk: int, conv_dim: int) -> bool:
 def gdn_tree_inputs(
     proj: torch.Tensor, conv_weight: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
     parents: torch.Tensor, conv_window: torch.Tensor, hk: int, dk: int, hv: int, dv: int,
-    keep_input: torch.Tensor | None = None, pdl: bool = False,
+    keep_input: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """One GDN layer's tree-verify inputs from its in_proj output ``proj [B, N, conv_dim + hv·dv + 2·hv]``:
     returns q, k ``[B, N, hk, dk]`` (conv'd over the tree from ``conv_window [B, conv_dim, 3]``, SiLU,
     L2-normalised), v ``[B, N, hv, dv]``, z ``[B, N, hv, dv]`` (a view of proj), beta and g ``[B, N, hv]`` fp32.
     ``keep_input`` (contiguous ``[B, N, conv_dim]``) also receives the conv inputs, for the commit. The window is
-    only read. ``pdl``: programmatic dependent launch (see ``gdn_tree_verify``). CPU tensors without the
-    interpreter, or a dk the kernel cannot tile, run the reference."""
+    only read. CPU tensors without the interpreter, or a dk the kernel cannot tile, run the reference."""
     conv_dim, value_dim = 2 * hk * dk + hv * dv, hv * dv
     if proj.dim() != 3 or proj.shape[-1] != conv_dim + value_dim + 2 * hv:
         raise ValueError(f"proj must be [B, N, {conv_dim + value_dim + 2 * hv}], got {tuple(proj.shape)}")
@@ -112,13 +109,12 @@ def gdn_tree_inputs(
     beta = torch.empty(B, N, hv, dtype=torch.float32, device=proj.device)
     g = torch.empty_like(beta)
     BC = min(MAX_BLOCK, triton.next_power_of_2(C))
-    pdl = pdl and can_launch_dependent(proj)
     _gdn_tree_inputs_kernel[(triton.cdiv(C, BC) + 1, B * N)](
         proj, conv_weight, parents.contiguous(), conv_window, A_log, dt_bias, y,
         y if keep_input is None else keep_input, beta, g,
         N, *proj.stride()[:2], *conv_window.stride()[:2], conv_weight.stride(0),
         C=C, QK=2 * hk * dk, VD=value_dim, HV=hv, DK=dk, BC=BC, HVP=triton.next_power_of_2(hv),
-        KEEP=keep_input is not None, PDL=pdl, launch_pdl=pdl)
+        KEEP=keep_input is not None)
     q = y[..., : hk * dk].view(B, N, hk, dk)
     k = y[..., hk * dk: 2 * hk * dk].view(B, N, hk, dk)
     v = y[..., 2 * hk * dk:].view(B, N, hv, dv)

@@ -49,7 +49,6 @@ import triton
 import triton.language as tl
 
 from dflash_tfm.kernels import TRITON_INTERPRETED, use_triton
-from dflash_tfm.kernels.dependent_launch import can_launch_dependent, wait_then_release
 from dflash_tfm.kernels.gdn.tree_reference import GDNTreeContext, check_gdn_tree_inputs, gdn_tree_verify_reference
 from dflash_tfm.spec.tree import ancestor_bitsets
 
@@ -71,13 +70,12 @@ def _gdn_tree_gram_kernel(
     N, W, HK, R, NP, scale,
     sq_b, sq_n, sq_h, sk_b, sk_n, sk_h, sg_b, sg_n, sg_h,
     DK: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, RP: tl.constexpr,
-    PAIRS: tl.constexpr, PREC: tl.constexpr, NATIVE: tl.constexpr, PDL: tl.constexpr,
+    PAIRS: tl.constexpr, PREC: tl.constexpr, NATIVE: tl.constexpr,
 ):
     """Grid (cdiv(N, BT), B·HK) — or (cdiv(N, BT), B·HK, cdiv(N, BT)) with PAIRS: one column block per program
     (programs above the diagonal do nothing; column block 0 also sums G). kk, qk: [B, HK, NP, NP] fp32 (lower
     block triangle written); G: [B, N, HV]. NATIVE: the dots take q, k in their 16-bit dtype (tensor cores;
     the products are exact in fp32, so only the fp32 summation order differs from PREC="ieee")."""
-    wait_then_release(PDL)
     i = tl.program_id(0)
     b = tl.program_id(1) // HK
     h = tl.program_id(1) % HK
@@ -141,10 +139,9 @@ def _gdn_tree_solve_kernel(
     N, HK, R, NP, scale,
     sq_b, sq_n, sq_h, sk_b, sk_n, sk_h, sv_b, sv_n, sv_h, sb_b, sb_n, sb_h, ss_b, ss_h, ss_k,
     DK: tl.constexpr, DV: tl.constexpr, BKC: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
-    LOG_BT: tl.constexpr, PREC: tl.constexpr, SPREC: tl.constexpr, PDL: tl.constexpr,
+    LOG_BT: tl.constexpr, PREC: tl.constexpr, SPREC: tl.constexpr,
 ):
     """solve="subst". Grid (cdiv(dv, BV), B·HV). u: [B, N, HV, dv] fp32 (written, then re-read); o: [B, N, HV, dv]."""
-    wait_then_release(PDL)
     HV = HK * R
     b = tl.program_id(1) // HV
     hv = tl.program_id(1) % HV
@@ -247,12 +244,11 @@ def _gdn_tree_prep_kernel(
     N, HK, R, NP, NSV, scale,
     sq_b, sq_n, sq_h, sk_b, sk_n, sk_h, sv_b, sv_n, sv_h, sb_b, sb_n, sb_h, ss_b, ss_h, ss_k,
     DK: tl.constexpr, DV: tl.constexpr, BKC: tl.constexpr, BVS: tl.constexpr, BT: tl.constexpr,
-    LOG_BT: tl.constexpr, PREC: tl.constexpr, SPREC: tl.constexpr, PDL: tl.constexpr,
+    LOG_BT: tl.constexpr, PREC: tl.constexpr, SPREC: tl.constexpr,
 ):
     """solve="split", step 2. Grid (cdiv(N, BT), NSV = cdiv(dv, BVS), B·HV), all programs independent.
     w, o0: [B, N, HV, dv] fp32 (T_i β(V − e^G K S0) and e^G Q S0); At, M: [B, HV, NP, NP] fp32 (lower block
     triangle: Ã strictly below the diagonal blocks, M including them)."""
-    wait_then_release(PDL)
     HV = HK * R
     i = tl.program_id(0)
     vb = tl.program_id(1)
@@ -310,12 +306,10 @@ def _gdn_tree_prep_fused_kernel(
     sq_b, sq_n, sq_h, sk_b, sk_n, sk_h, sv_b, sv_n, sv_h, sg_b, sg_n, sg_h, sb_b, sb_n, sb_h, ss_b, ss_h, ss_k,
     DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BKC: tl.constexpr, BVS: tl.constexpr,
     BT: tl.constexpr, LOG_BT: tl.constexpr, NPOW: tl.constexpr, PREC: tl.constexpr, SPREC: tl.constexpr,
-    PDL: tl.constexpr,
 ):
     """solve="split" with fuse_gram: step 2 straight from q, k, g and the bitsets (no Gram launch). Same grid and
     outputs as _gdn_tree_prep_kernel, plus G (written by the dv-block-0 programs); the Gram tiles are
     recomputed per value head."""
-    wait_then_release(PDL)
     HV = HK * R
     i = tl.program_id(0)
     vb = tl.program_id(1)
@@ -361,12 +355,10 @@ def _gdn_tree_subst_kernel(
     u, o0, At, M, o,
     N, HV, NP,
     DV: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, JW: tl.constexpr, SPREC: tl.constexpr,
-    PDL: tl.constexpr,
 ):
     """solve="split", step 3. Grid (cdiv(dv, BV), B·HV). u holds W on entry and the solved U on exit (each row
     block read, then overwritten by the same program); later row blocks re-read solved rows after a barrier.
     The next row block's W, O0 and diagonal M tile, which do not depend on the solve, are loaded a step ahead."""
-    wait_then_release(PDL)
     b = tl.program_id(1) // HV
     hv = tl.program_id(1) % HV
     offs_v = tl.program_id(0) * BV + tl.arange(0, BV)
@@ -455,7 +447,7 @@ def gdn_tree_verify(
     precision: str = "tf32", solve_precision: str = "ieee", block_v: int | None = 32,
     num_warps: int | None = None, num_stages: int | None = 1, gram_pairs: bool = True,
     state_block_v: int = 64, solve_width: int | None = None, fuse_gram: bool = False, gram_native: bool = True,
-    u_out: torch.Tensor | None = None, G_out: torch.Tensor | None = None, pdl: bool = False,
+    u_out: torch.Tensor | None = None, G_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, GDNTreeContext]:
     """Outputs of all N tree nodes of one GDN layer from the committed state; writes no state.
 
@@ -465,10 +457,10 @@ def gdn_tree_verify(
     the chunk kernel's row block (16 or 32). Returns ``o [B, N, HV, dv]`` in v's dtype and the
     context for :func:`gdn_tree_commit`. CPU tensors without the Triton interpreter use the torch twin.
 
-    The defaults are the fastest configuration of the H200 sweep at Qwen3.6-27B shapes (``python -m
-    benchmarks.bench_tree_kernels --sweep``: 13.4 / 34.8 / 77.1 µs per layer at N = 16 / 65 / 129, against
-    14.3 / 64.4 / 137.0 for the serial fp32 solver; errors vs the fp32 twin: o 6.3e-3 with bf16 outputs,
-    u 1.8e-4, from the tf32 state products).
+    The defaults are the fastest configuration of the H200 sweeps at Qwen3.6-27B shapes (``python -m
+    benchmarks.bench_tree_kernels --sweep``: 11.7 / 26.4 / 57.4 µs per layer at N = 16 / 65 / 129, against
+    14.3 / 64.4 / 137.0 for the serial fp32 solver; errors vs the fp32 twin: o 6.5e-3 with bf16 outputs,
+    u 1.7e-4, from the tf32 state products).
 
     Chunk-kernel tuning (module docstring): ``solve`` "subst" | "split"; ``precision`` / ``solve_precision``
     "ieee" | "tf32" | "tf32x3" for the state products / all other dots; ``block_v`` the dv block of the
@@ -483,9 +475,6 @@ def gdn_tree_verify(
     ``u_out`` / ``G_out`` (chunk kernel, both or neither; contiguous fp32 ``[B, N, HV, dv]`` / ``[B, N, HV]``)
     receive the context's solved rows and path decays instead of new tensors: slices of layer-stacked
     buffers let the model's commit fold every layer in one launch without stacking copies.
-
-    ``pdl`` launches the chunk kernels with programmatic dependent launch (``kernels/dependent_launch.py``;
-    ignored below sm_90): each starts while the previous kernel drains and waits for its writes on the GPU.
     """
     B, N, HK, HV, R, dk, dv = check_gdn_tree_inputs(q, k, v, g, beta, parents, initial_state)
     if kernel not in ("chunk", "recurrent"):
@@ -535,9 +524,7 @@ def gdn_tree_verify(
     NP = nb * BT
     LOG_BT = BT.bit_length() - 1
     warps = 4 if BT == 16 else 8  # no register spills on sm_90 at 27B shapes (ptxas -v)
-    pdl = pdl and can_launch_dependent(q)
-    chain = {"PDL": pdl, "launch_pdl": pdl}
-    launch = {"num_warps": warps if num_warps is None else num_warps, **chain}
+    launch = {"num_warps": warps if num_warps is None else num_warps}
     if num_stages is not None:
         launch["num_stages"] = num_stages
     G = torch.empty(B, N, HV, dtype=torch.float32, device=q.device) if G_out is None else G_out
@@ -552,7 +539,7 @@ def gdn_tree_verify(
         _gdn_tree_gram_kernel[(nb, B * HK, nb) if gram_pairs else (nb, B * HK)](
             q, k, g, bits, kk, qk, G, N, bits.shape[-1], HK, R, NP, scale,
             *q.stride()[:3], *k.stride()[:3], *g.stride(), DK=dk, BK=BK, BT=BT, RP=max(16, triton.next_power_of_2(R)),
-            PAIRS=gram_pairs, PREC=solve_precision, NATIVE=native, num_warps=warps, **chain)
+            PAIRS=gram_pairs, PREC=solve_precision, NATIVE=native, num_warps=warps)
     if solve == "subst":
         _gdn_tree_solve_kernel[grid](
             q, k, v, beta, S0, kk, qk, G, u, o, N, HK, R, NP, scale,
@@ -564,7 +551,7 @@ def gdn_tree_verify(
     M = torch.empty_like(At)
     NSV = triton.cdiv(dv, state_block_v)
     prep = {"DK": dk, "DV": dv, "BKC": min(32, BK), "BVS": state_block_v, "BT": BT, "LOG_BT": LOG_BT,
-            "PREC": precision, "SPREC": solve_precision, "num_warps": warps, **chain}
+            "PREC": precision, "SPREC": solve_precision, "num_warps": warps}
     if fuse_gram:
         _gdn_tree_prep_fused_kernel[(nb, NSV, B * HV)](
             q, k, v, g, beta, bits, S0, G, u, o0, At, M, N, bits.shape[-1], HK, R, NP, NSV, scale,
