@@ -64,6 +64,21 @@ def _ancestor_tile(bits, rows, col0, N, W, BT: tl.constexpr):
     return (((word[:, None] >> (cols % 64).to(tl.int64)[None, :]) & 1) != 0) & (cols[None, :] < N)
 
 
+@triton.jit
+def _gram_tiles(q_i, k_i, k_j, scale, PREC: tl.constexpr, NATIVE: tl.constexpr):
+    """K_i·K_jᵀ and scale·Q_i·K_jᵀ in fp32. NATIVE: q_i, k_i (and k_j) are 16-bit and the dots take them as they
+    are (tensor cores; the products are exact in fp32, so only the summation order differs from fp32 "ieee");
+    else q_i, k_i are fp32 and the dots run at PREC."""
+    k_j = k_j.to(k_i.dtype)
+    if NATIVE:
+        kk = tl.dot(k_i, tl.trans(k_j))
+        qk = tl.dot(q_i, tl.trans(k_j))
+    else:
+        kk = tl.dot(k_i, tl.trans(k_j), input_precision=PREC)
+        qk = tl.dot(q_i, tl.trans(k_j), input_precision=PREC)
+    return kk, qk * scale
+
+
 @triton.jit(do_not_specialize=["N", "W"])  # one compile for every tree size
 def _gdn_tree_gram_kernel(
     q, k, g, bits, kk, qk, G,
@@ -74,8 +89,7 @@ def _gdn_tree_gram_kernel(
 ):
     """Grid (cdiv(N, BT), B·HK) — or (cdiv(N, BT), B·HK, cdiv(N, BT)) with PAIRS: one column block per program
     (programs above the diagonal do nothing; column block 0 also sums G). kk, qk: [B, HK, NP, NP] fp32 (lower
-    block triangle written); G: [B, N, HV]. NATIVE: the dots take q, k in their 16-bit dtype (tensor cores;
-    the products are exact in fp32, so only the fp32 summation order differs from PREC="ieee")."""
+    block triangle written); G: [B, N, HV]. NATIVE: see _gram_tiles."""
     i = tl.program_id(0)
     b = tl.program_id(1) // HK
     h = tl.program_id(1) % HK
@@ -100,13 +114,7 @@ def _gdn_tree_gram_kernel(
         k_j = tl.load(k + b * sk_b + cols[:, None] * sk_n + h * sk_h + offs_k[None, :], mask=ldj, other=0.0)
         anc = _ancestor_tile(bits + b * N * W, rows, j * BT, N, W, BT)
         strict = anc & (rows[:, None] != cols[None, :])
-        if NATIVE:
-            kk_ij = tl.dot(k_i, tl.trans(k_j))
-            qk_ij = tl.dot(q_i, tl.trans(k_j)) * scale
-        else:
-            k_j = k_j.to(tl.float32)
-            kk_ij = tl.dot(k_i, tl.trans(k_j), input_precision=PREC)
-            qk_ij = tl.dot(q_i, tl.trans(k_j), input_precision=PREC) * scale
+        kk_ij, qk_ij = _gram_tiles(q_i, k_i, k_j, scale, PREC, NATIVE)
         tl.store(gram + cols[None, :], tl.where(strict, kk_ij, 0.0))
         tl.store(qgram + cols[None, :], tl.where(anc, qk_ij, 0.0))
     if j_lo == 0:  # G of this row block's value heads (with PAIRS: in its column-block-0 program)
@@ -281,7 +289,7 @@ def _gdn_tree_prep_kernel(
 @triton.jit
 def _path_tile(q_i, k_i, k, g, bits, gm_all, cols_all, G_i, rows, j, N, W, b, hk, hv, scale,
                sk_b, sk_n, sk_h, sg_b, sg_n, sg_h, DK: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
-               SPREC: tl.constexpr):
+               SPREC: tl.constexpr, NATIVE: tl.constexpr):
     """Column block j of row block ``rows`` (fuse_gram): ancestor mask, decay D (0 off the path) and the raw
     K·Kᵀ, scale·Q·Kᵀ tiles. For c ∈ anc⁺(i), G_i − G_c is the sum of g over i's path after c: G_i minus the
     inclusive prefix sum of i's path-masked g (``gm_all``, [BT, NPOW]) up to column c, so no other row's G."""
@@ -293,9 +301,8 @@ def _path_tile(q_i, k_i, k, g, bits, gm_all, cols_all, G_i, rows, j, N, W, b, hk
     dec = tl.where(anc, tl.exp(tl.minimum(G_i[:, None] - pre, 0.0)), 0.0)
     offs_k = tl.arange(0, BK)
     k_j = tl.load(k + b * sk_b + cols[:, None] * sk_n + hk * sk_h + offs_k[None, :],
-                  mask=(cols[:, None] < N) & (offs_k[None, :] < DK), other=0.0).to(tl.float32)
-    kk = tl.dot(k_i, tl.trans(k_j), input_precision=SPREC)
-    qk = tl.dot(q_i, tl.trans(k_j), input_precision=SPREC) * scale
+                  mask=(cols[:, None] < N) & (offs_k[None, :] < DK), other=0.0)
+    kk, qk = _gram_tiles(q_i, k_i, k_j, scale, SPREC, NATIVE)
     return cols, anc, dec, kk, qk
 
 
@@ -306,6 +313,7 @@ def _gdn_tree_prep_fused_kernel(
     sq_b, sq_n, sq_h, sk_b, sk_n, sk_h, sv_b, sv_n, sv_h, sg_b, sg_n, sg_h, sb_b, sb_n, sb_h, ss_b, ss_h, ss_k,
     DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BKC: tl.constexpr, BVS: tl.constexpr,
     BT: tl.constexpr, LOG_BT: tl.constexpr, NPOW: tl.constexpr, PREC: tl.constexpr, SPREC: tl.constexpr,
+    NATIVE: tl.constexpr,
 ):
     """solve="split" with fuse_gram: step 2 straight from q, k, g and the bitsets (no Gram launch). Same grid and
     outputs as _gdn_tree_prep_kernel, plus G (written by the dv-block-0 programs); the Gram tiles are
@@ -331,10 +339,11 @@ def _gdn_tree_prep_fused_kernel(
     ld = rm[:, None] & (offs_k[None, :] < DK)
     q_i = tl.load(q + b * sq_b + rows[:, None] * sq_n + hk * sq_h + offs_k[None, :], mask=ld, other=0.0)
     k_i = tl.load(k + b * sk_b + rows[:, None] * sk_n + hk * sk_h + offs_k[None, :], mask=ld, other=0.0)
-    q_i, k_i = q_i.to(tl.float32), k_i.to(tl.float32)
+    if not NATIVE:
+        q_i, k_i = q_i.to(tl.float32), k_i.to(tl.float32)
     mat = (b * HV + hv) * NP * NP + rows[:, None] * NP
     cols, anc, dec, kk, qk = _path_tile(q_i, k_i, k, g, bits_b, gm_all, cols_all, G_i, rows, i, N, W, b, hk, hv,
-                                        scale, sk_b, sk_n, sk_h, sg_b, sg_n, sg_h, DK, BK, BT, SPREC)
+                                        scale, sk_b, sk_n, sk_h, sg_b, sg_n, sg_h, DK, BK, BT, SPREC, NATIVE)
     strict = anc & (rows[:, None] != cols[None, :])
     t = _block_inverse(tl.where(strict, b_i[:, None] * dec * kk, 0.0), rows, LOG_BT, SPREC)
     if vb == 0:
@@ -345,7 +354,7 @@ def _gdn_tree_prep_fused_kernel(
                      DK, DV, BKC, BVS, BT, PREC, SPREC)
     for j in range(vb, i, NSV):  # off-diagonal column blocks, round-robin over the NSV programs
         cols, anc, dec, kk, qk = _path_tile(q_i, k_i, k, g, bits_b, gm_all, cols_all, G_i, rows, j, N, W, b, hk,
-                                            hv, scale, sk_b, sk_n, sk_h, sg_b, sg_n, sg_h, DK, BK, BT, SPREC)
+                                            hv, scale, sk_b, sk_n, sk_h, sg_b, sg_n, sg_h, DK, BK, BT, SPREC, NATIVE)
         tl.store(M + mat + cols[None, :], dec * qk)
         tl.store(At + mat + cols[None, :], tl.dot(t, b_i[:, None] * dec * kk, input_precision=SPREC))
 
@@ -469,8 +478,8 @@ def gdn_tree_verify(
     the split solver's parallel state-product kernel; ``solve_width`` solved rows per dot in the split
     solver's substitution (a power-of-2 multiple of ``block_size``; default ``block_size``); ``fuse_gram``
     (split only) computes the Gram tiles and G inside the state-product kernel: two launches instead of three;
-    ``gram_native`` runs the Gram kernel's dots on q and k as they come when they are bf16 / fp16 (tensor cores,
-    exact products, fp32 sums) instead of at ``solve_precision``.
+    ``gram_native`` runs the Gram tiles' dots (in the Gram kernel, or the fused prep) on q and k as they come when
+    they are bf16 / fp16 (tensor cores, exact products, fp32 sums) instead of at ``solve_precision``.
 
     ``u_out`` / ``G_out`` (chunk kernel, both or neither; contiguous fp32 ``[B, N, HV, dv]`` / ``[B, N, HV]``)
     receive the context's solved rows and path decays instead of new tensors: slices of layer-stacked
@@ -530,10 +539,10 @@ def gdn_tree_verify(
     G = torch.empty(B, N, HV, dtype=torch.float32, device=q.device) if G_out is None else G_out
     u = torch.empty(B, N, HV, dv, dtype=torch.float32, device=q.device) if u_out is None else u_out
     ctx = GDNTreeContext(initial_state=initial_state, k=k, u=u, G=G)
+    # Triton's CPU interpreter gets 16-bit dots wrong (garbage, not rounding): there the Gram tiles stay fp32
+    native = (gram_native and not TRITON_INTERPRETED and q.dtype in (torch.bfloat16, torch.float16)
+              and k.dtype == q.dtype)
     if not fuse_gram:
-        # Triton's CPU interpreter gets 16-bit dots wrong (garbage, not rounding): there the tiles stay fp32
-        native = (gram_native and not TRITON_INTERPRETED and q.dtype in (torch.bfloat16, torch.float16)
-                  and k.dtype == q.dtype)
         kk = torch.empty(B, HK, NP, NP, dtype=torch.float32, device=q.device)
         qk = torch.empty_like(kk)
         _gdn_tree_gram_kernel[(nb, B * HK, nb) if gram_pairs else (nb, B * HK)](
@@ -556,7 +565,7 @@ def gdn_tree_verify(
         _gdn_tree_prep_fused_kernel[(nb, NSV, B * HV)](
             q, k, v, g, beta, bits, S0, G, u, o0, At, M, N, bits.shape[-1], HK, R, NP, NSV, scale,
             *strides, *g.stride(), *beta.stride(), *S0.stride()[:3],
-            BK=BK, NPOW=max(16, triton.next_power_of_2(N)), **prep)
+            BK=BK, NPOW=max(16, triton.next_power_of_2(N)), NATIVE=native, **prep)
     else:
         _gdn_tree_prep_kernel[(nb, NSV, B * HV)](
             q, k, v, beta, S0, kk, qk, G, u, o0, At, M, N, HK, R, NP, NSV, scale,
