@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from dflash_tfm.kernels import TRITON_INTERPRETED
 from dflash_tfm.kernels.gdn import fused_decode as fd
 
 STEPS = 3
@@ -152,6 +153,8 @@ def test_interpreted_kernel_matches_twin(name: str, interpreted: dict[str, dict]
     check(CASES[name], got, twin(name))
 
 
+@pytest.mark.skipif(TRITON_INTERPRETED, reason="under the interpreter gdn_decode runs its Triton kernel (whose "
+                    "interpreted bf16 casts truncate); this compares the torch helpers")
 def test_twin_is_the_unfused_composition() -> None:
     """The twin equals the layer's own helpers run the way GatedDeltaNet.forward runs them (CPU: eagerly)."""
     from dflash_tfm.kernels.gdn.decode import gdn_decode
