@@ -7,9 +7,6 @@ split partials go to an fp32 workspace ``[SPLIT_K, M, N]`` and a second kernel s
 results are deterministic (no atomics) and identical between eager runs and CUDA-graph replays. A configuration
 with ``tma`` loads both tiles through host-made tensor descriptors (Hopper's TMA engine: no address arithmetic
 or masks in the loop, out-of-bounds reads are zeros), when the operands are contiguous and 16-byte aligned.
-A ``swap`` configuration (TMA only) computes ``yᵀ = W xᵀ``: the weight rows fill the MMA's long side (64-row
-granularity on Hopper) and the few token rows its short side, as one tile of up to 64 rows plus, past 64 rows,
-a tail tile of 16 … 64; at 65 rows that is 80 padded rows of MMA work instead of the 128 of ``x Wᵀ``.
 The twin is ``F.linear``. Which of the two runs for a shape is decided by timing (``layers/linear.py``).
 """
 from __future__ import annotations
@@ -33,7 +30,6 @@ class SkinnyConfig:
     num_warps: int = 4
     num_stages: int = 4
     tma: bool = False
-    swap: bool = False  # yᵀ = W xᵀ through tensor descriptors (needs tma=True)
 
 
 @triton.jit
@@ -81,35 +77,6 @@ def _skinny_matmul_tma_kernel(
 
 
 @triton.jit
-def _skinny_matmul_swap_kernel(
-    x_desc, x_tail_desc, w_desc, out, M, N, K, k_per_split, som, son, sos,
-    BN: tl.constexpr, BK: tl.constexpr, BX: tl.constexpr, BX_TAIL: tl.constexpr,
-):
-    """Grid (cdiv(N, BN), 1, SPLIT_K). ``yᵀ = W xᵀ`` tile by tile: rows [0, BX) of x in one MMA operand and,
-    when BX_TAIL > 0, rows [BX, BX + BX_TAIL) in a second one that shares the weight tile."""
-    n0 = tl.program_id(0) * BN
-    split = tl.program_id(2)
-    k_lo = split * k_per_split
-    k_hi = tl.minimum(k_lo + k_per_split, K)
-    acc = tl.zeros([BN, BX], dtype=tl.float32)
-    acc_tail = tl.zeros([BN, max(BX_TAIL, 16)], dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BK):
-        w_t = w_desc.load([n0, k0])
-        acc += tl.dot(w_t, x_desc.load([0, k0]).T)
-        if BX_TAIL > 0:
-            acc_tail += tl.dot(w_t, x_tail_desc.load([BX, k0]).T)
-    offs_n = n0 + tl.arange(0, BN)
-    base = out + split * sos + offs_n[:, None] * son
-    offs_m = tl.arange(0, BX)
-    tl.store(base + offs_m[None, :] * som, acc.to(out.dtype.element_ty),
-             mask=(offs_n < N)[:, None] & (offs_m < M)[None, :])
-    if BX_TAIL > 0:
-        offs_t = BX + tl.arange(0, max(BX_TAIL, 16))
-        tl.store(base + offs_t[None, :] * som, acc_tail.to(out.dtype.element_ty),
-                 mask=(offs_n < N)[:, None] & (offs_t < M)[None, :])
-
-
-@triton.jit
 def _sum_splits_kernel(part, out, MN, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
     """out[i] = Σ_s part[s, i] over the flattened [M, N], in split order."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -139,14 +106,7 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, config: SkinnyConfig = 
     target = out if splits == 1 else torch.empty(splits, M, N, dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(N, c.block_n), triton.cdiv(M, BM), splits)
     out_strides = (target.stride(-2), target.stride(-1), target.stride(0) if splits > 1 else 0)
-    if c.swap and c.tma and tma_ready(x2, weight):
-        BX, BX_TAIL = swap_blocks(M)
-        tail = TensorDescriptor.from_tensor(x2, [max(BX_TAIL, 16), c.block_k])
-        _skinny_matmul_swap_kernel[(grid[0], 1, splits)](
-            TensorDescriptor.from_tensor(x2, [BX, c.block_k]), tail,
-            TensorDescriptor.from_tensor(weight, [c.block_n, c.block_k]), target, M, N, K, k_per_split, *out_strides,
-            BN=c.block_n, BK=c.block_k, BX=BX, BX_TAIL=BX_TAIL, num_warps=c.num_warps, num_stages=c.num_stages)
-    elif c.tma and tma_ready(x2, weight):
+    if c.tma and tma_ready(x2, weight):
         _skinny_matmul_tma_kernel[grid](
             TensorDescriptor.from_tensor(x2, [BM, c.block_k]), TensorDescriptor.from_tensor(weight, [c.block_n, c.block_k]),
             target, M, N, K, k_per_split, *out_strides,
@@ -174,42 +134,25 @@ def block_m(M: int) -> int:
     return min(MAX_ROWS, max(16, triton.next_power_of_2(M)))
 
 
-SWAP_HEAD = 64  # rows of a swap configuration's first x tile once M > 64
-
-
-def swap_blocks(M: int) -> tuple[int, int]:
-    """(rows of the first x tile, rows of the tail tile or 0) of a swap configuration: powers of two ≥ 16 that
-    cover M with at most SWAP_HEAD + 64 rows (65 rows: 64 + 16)."""
-    if M <= SWAP_HEAD:
-        return max(16, triton.next_power_of_2(M)), 0
-    return SWAP_HEAD, max(16, triton.next_power_of_2(M - SWAP_HEAD))
-
-
 SHARED_MEMORY_BUDGET = 200 * 1024  # bytes of pipelined tiles per program (sm_90 has 228 KB)
 
 
 def candidate_configs(M: int, N: int, K: int, sms: int) -> list[SkinnyConfig]:
     """The configurations worth timing for one shape: tile widths and K depths that keep many weight bytes in
     flight, with the split-K that brings the program count near two per SM, 8 warps for tall tiles, and as many
-    pipeline stages (≤ 4) as fit the shared memory; each tile shape also with TMA loads and, from 2 rows on,
-    swapped (``yᵀ = W xᵀ``)."""
+    pipeline stages (≤ 4) as fit the shared memory; each tile shape also with TMA loads."""
     configs = []
     for block_n in (64, 128):
         for block_k in (128, 256):
-            for swap in (False, True) if M > 1 else (False,):
-                x_rows = sum(swap_blocks(M)) if swap else block_m(M)
-                stages = min(4, SHARED_MEMORY_BUDGET // ((x_rows + block_n) * block_k * 2))
-                if stages < 2:
-                    continue
-                tiles = triton.cdiv(N, block_n) * (1 if swap else triton.cdiv(M, block_m(M)))
-                split = 1
-                while tiles * split < 2 * sms and K // (split * 2) >= 4 * block_k:
-                    split *= 2
-                if swap:
-                    for warps in ((4, 8) if block_n >= 128 else (4,)):
-                        configs.append(SkinnyConfig(block_n, block_k, split, warps, stages, tma=True, swap=True))
-                    continue
-                for warps in ((4, 8) if block_m(M) >= 64 else (4,)):
-                    configs.append(SkinnyConfig(block_n, block_k, split, warps, num_stages=stages))
-                configs.append(SkinnyConfig(block_n, block_k, split, 4, num_stages=stages, tma=True))
+            stage_bytes = (block_m(M) + block_n) * block_k * 2
+            stages = min(4, SHARED_MEMORY_BUDGET // stage_bytes)
+            if stages < 2:
+                continue
+            tiles = triton.cdiv(N, block_n) * triton.cdiv(M, block_m(M))
+            split = 1
+            while tiles * split < 2 * sms and K // (split * 2) >= 4 * block_k:
+                split *= 2
+            for warps in ((4, 8) if block_m(M) >= 64 else (4,)):
+                configs.append(SkinnyConfig(block_n, block_k, split, warps, num_stages=stages))
+            configs.append(SkinnyConfig(block_n, block_k, split, 4, num_stages=stages, tma=True))
     return configs
