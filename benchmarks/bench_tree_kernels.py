@@ -13,9 +13,12 @@ dot precisions, blocking, warps/stages) at N = 16, 65, 129 in one run, with the 
 of the solved rows ``u`` against the fp32 torch twin, then one config combining the one-off changes that beat
 the base config at N = 65, and prints the best config (fastest at N = 65 within the bf16 tolerance 1e-2).
 About 1–2 minutes on an H200, most of it compiling; ``--budget`` seconds stops starting new configs.
+``--attention-sweep`` times tree attention's tile options (splits, key and row tiles, pipeline stages) at
+``--sweep-ns`` and cache ``--lengths``.
 
     python benchmarks/bench_tree_kernels.py [--ns 16 32 65 129] [--gdn-layers 48]
     python -m benchmarks.bench_tree_kernels --sweep [--sweep-ns 16 65 129] [--budget 150] [--configs '{}' ...]
+    python -m benchmarks.bench_tree_kernels --attention-sweep [--sweep-ns 16 65 129] [--lengths 1024 2048]
 """
 from __future__ import annotations
 
@@ -232,6 +235,37 @@ def bench_attention_and_conv(n: int, attn_layers: int, conv_layers: int) -> None
     print(f"| tree_conv_commit | C {CONV_CHANNELS} | {conv_commit:.1f} |")
 
 
+ATTENTION_SWEEP = [dict(num_splits=s, block_n=bn, block_m=bm, num_stages=st)
+                   for s in (2, 4, 8) for bn in (32, 64) for bm in (64, 128) for st in (None, 2)]
+
+
+def bench_attention_sweep(ns: list[int], lengths: list[int], layers: int) -> None:
+    """µs per layer of `tree_attention` for each (splits, key tile, row tile, stages) at every N and cache
+    length: the candidates the verify's measured choice could add."""
+    caches = [tuple(torch.randn(1, CACHE, HKV, HEAD_DIM, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+              for _ in range(layers)]
+    cols = [(n, length) for n in ns for length in lengths]
+    print(f"\n### Tree attention options, µs per layer ({H} q / {HKV} kv heads, d {HEAD_DIM}, {layers} layers "
+          "per graph)\n")
+    print("| options | " + " | ".join(f"N={n} L={length}" for n, length in cols) + " |")
+    print("|---|" + "---|" * len(cols))
+    inputs = {}
+    for n in ns:
+        _, bits, _ = tree(n)
+        inputs[n] = (torch.randn(1, n, H, HEAD_DIM, device="cuda", dtype=torch.bfloat16),
+                     *(torch.randn(1, n, HKV, HEAD_DIM, device="cuda", dtype=torch.bfloat16) for _ in range(2)), bits)
+    for options in [{}] + ATTENTION_SWEEP:
+        cells = []
+        for n, length in cols:
+            q, k_tree, v_tree, bits = inputs[n]
+            try:
+                cells.append(f"{time_graph(lambda layer: tree_attention(q, *caches[layer], length, k_tree, v_tree, bits, **options), layers):.1f}")
+            except Exception as e:  # noqa: BLE001 — a config that does not fit (shared memory) is reported
+                cells.append(type(e).__name__)
+        label = ", ".join(f"{k} {v}" for k, v in options.items() if v is not None) or "heuristic"
+        print(f"| {label} | " + " | ".join(cells) + " |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ns", type=int, nargs="+", default=[16, 32, 65, 129], help="tree sizes for GDN")
@@ -243,8 +277,14 @@ def main() -> None:
     parser.add_argument("--budget", type=float, default=150.0, help="--sweep: seconds after which no config starts")
     parser.add_argument("--configs", type=json.loads, nargs="+",
                         help="--sweep: only these JSON option sets, e.g. '{}' '{\"gram_native\": true}'")
+    parser.add_argument("--attention-sweep", action="store_true",
+                        help="time tree attention's tile options at --sweep-ns and --lengths instead")
+    parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048])
     args = parser.parse_args()
     print(f"device: {torch.cuda.get_device_name()}")
+    if args.attention_sweep:
+        bench_attention_sweep(args.sweep_ns, args.lengths, args.attn_layers)
+        return
     if args.sweep:
         bench_sweep(args.sweep_ns, args.gdn_layers, args.budget, args.configs)
         return

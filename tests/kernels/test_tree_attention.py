@@ -75,7 +75,20 @@ def test_triton_key_tiles_match_path_attention(block_n: int, triton_device: str)
     assert rel_err(o, path_attention(x, parents, lens, 32**-0.5)) <= 1e-5
 
 
-@pytest.mark.parametrize("name", ["tree_kernel", "tree_kernel s1", "tree_kernel s4 bn64"])
+@pytest.mark.parametrize("block_m, num_stages", [(16, None), (32, 2), (128, 1)])
+def test_triton_row_tiles_match_path_attention(block_m: int, num_stages: int | None, triton_device: str) -> None:
+    """Row tiles of 16 to 128 and explicit pipeline depths. Each program reads only the tree keys up to its
+    last node: with 65 nodes (195 rows) and 16-row tiles, the last program holds only node 64, the first key of
+    a new key tile."""
+    x, parents = make_case(2, 65, 6, 2, 32, 40, "best_first", triton_device)
+    lens = [33, 0]
+    o = tree_attention(**x, cache_len=torch.tensor(lens, device=triton_device), num_splits=2, block_m=block_m,
+                       num_stages=num_stages)
+    assert rel_err(o, path_attention(x, parents, lens, 32**-0.5)) <= 1e-5
+
+
+@pytest.mark.parametrize("name", [
+    "tree_kernel", "tree_kernel s1", "tree_kernel s4 bn64", "tree_kernel s2 bn64 bm128 st2"])
 def test_triton_verify_attention_candidates_match_path_attention(name: str, triton_device: str) -> None:
     """Each candidate the verify's measured choice may pick (forced by name) attends over the caller's lengths,
     not the length the candidates are timed at."""
@@ -132,16 +145,20 @@ def test_validation_errors() -> None:
         tree_attention(**{**x, "v_cache": x["v_cache"][:, :4]}, cache_len=3)
     with pytest.raises(ValueError, match="block_n"):
         tree_attention(**x, cache_len=3, block_n=48)
+    with pytest.raises(ValueError, match="block_m"):
+        tree_attention(**x, cache_len=3, block_m=8)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("N", [16, 65, 129])
 def test_gpu_matches_twin_27b_shapes(N: int) -> None:
-    """Qwen3.6-27B attention: 24 query heads, 4 kv heads, head_dim 256, cache 4096, bf16."""
+    """Qwen3.6-27B attention: 24 query heads, 4 kv heads, head_dim 256, cache 4096, bf16; default tiles and
+    128-row tiles with 2 pipeline stages."""
     x, _ = make_case(1, N, 24, 4, 256, 4096, "best_first", "cuda", torch.bfloat16)
     for cache_len in (4000, torch.tensor([4096], device="cuda"), 0):
-        o = tree_attention(**x, cache_len=cache_len)
-        assert rel_err(o, tree_attention_reference(**x, cache_len=cache_len)) <= 2e-2
+        ref = tree_attention_reference(**x, cache_len=cache_len)
+        for options in ({}, {"block_m": 128, "num_stages": 2, "num_splits": 4}):
+            assert rel_err(tree_attention(**x, cache_len=cache_len, **options), ref) <= 2e-2
 
 
 @pytest.mark.gpu

@@ -22,6 +22,7 @@ from dflash_tfm.kernels.gdn.tree_reference import (
 from dflash_tfm.spec.tree import TREE_SHAPES, ancestor_bitsets, random_parents
 
 from dflash_tfm.kernels.gdn import tree_commit
+from dflash_tfm.kernels.gdn.tree_verify import TF32_SOLVE_MIN_NODES
 
 from .test_tree_common import Always, accepted_mask, rel_err, triton_device  # noqa: F401  (fixture)
 
@@ -237,7 +238,8 @@ def test_gpu_matches_twin_27b_shapes(N: int, kernel: str) -> None:
     o_ref, ctx_ref = gdn_tree_verify_reference(**x, parents=parents)
     assert rel_err(o, o_ref) <= 1e-2
     acc = accepted_mask(parents.cpu(), [N - 1]).cuda()
-    assert rel_err(gdn_tree_commit(ctx, acc), gdn_tree_commit_reference(ctx_ref, acc)) <= 1e-3
+    tf32_solve = kernel == "chunk" and N > TF32_SOLVE_MIN_NODES  # the default solve of bf16 inputs there
+    assert rel_err(gdn_tree_commit(ctx, acc), gdn_tree_commit_reference(ctx_ref, acc)) <= (5e-3 if tf32_solve else 1e-3)
     assert torch.equal(x["initial_state"], S0)
 
 
@@ -263,7 +265,8 @@ def test_gpu_options_match_twin_27b_shapes(N: int, options: dict) -> None:
     o_ref, ctx_ref = gdn_tree_verify_reference(**x, parents=parents)
     assert rel_err(o, o_ref) <= 1e-2
     acc = accepted_mask(parents.cpu(), [N - 1]).cuda()
-    tol = 1e-2 if "tf32" in (options.get("precision"), options.get("solve_precision")) else 1e-3
+    tf32_solve = options.get("solve_precision", "tf32" if N > TF32_SOLVE_MIN_NODES else "ieee") == "tf32"
+    tol = 1e-2 if options.get("precision") == "tf32" or tf32_solve else 1e-3
     assert rel_err(gdn_tree_commit(ctx, acc), gdn_tree_commit_reference(ctx_ref, acc)) <= tol
 
 

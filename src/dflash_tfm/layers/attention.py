@@ -174,9 +174,14 @@ def decode_attention(
 
 
 verify_attention_choice = MeasuredChoice(default="tree_kernel")
-# Also timed: fixed cache splits, and 64-key tiles (half the loop trips; at head dim 256 ptxas spills ~130 bytes).
-VERIFY_TILES = {f"tree_kernel s{n}": (n, None) for n in (1, 2, 4, 8, 16)} | {
-    f"tree_kernel s{n} bn64": (n, 64) for n in (2, 4, 8)}
+# Also timed (tree_attention keyword arguments): fixed cache splits; 64-key tiles (half the loop trips; at head
+# dim 256 ptxas spills ~130 bytes); 128-row tiles, which read each K/V tile for twice the rows (at head dim 256
+# with 64-key tiles only in 2 pipeline stages: 3 exceed the shared memory).
+VERIFY_TILES = {f"tree_kernel s{n}": {"num_splits": n} for n in (1, 2, 4, 8, 16)} | {
+    f"tree_kernel s{n} bn64": {"num_splits": n, "block_n": 64} for n in (2, 4, 8)} | {
+    f"tree_kernel s{n} bm128": {"num_splits": n, "block_m": 128} for n in (2, 4, 8)} | {
+    f"tree_kernel s{n} bn64 bm128 st2": {"num_splits": n, "block_n": 64, "block_m": 128, "num_stages": 2}
+    for n in (2, 4, 8)}
 VERIFY_TIMING_KEYS = 2048  # cached keys the candidates are timed over (one verify graph serves every length)
 
 
@@ -185,12 +190,12 @@ def verify_attention(
     cache_len: int | torch.Tensor, ancestors: torch.Tensor, scale: float,
 ) -> torch.Tensor:
     """`tree_attention` of the tree nodes with its own split heuristic or a fixed number of cache splits
-    (and key tile), whichever measured fastest for the shape. Fewer splits write fewer fp32 partial outputs for the merge
+    (and key and row tiles), whichever measured fastest for the shape. Fewer splits write fewer fp32 partial outputs for the merge
     (8 splits of a 65-node tree: 13 MB per layer, three times the K/V read at a 1k context), more keep
     more SMs busy. The candidates are timed over `VERIFY_TIMING_KEYS` cached keys rather than the caller's
     length: the choice is made at the first verify (the prompt's length) and then serves every length."""
-    def run(tile: tuple[int | None, int | None] = (None, None), length: int | torch.Tensor = cache_len) -> torch.Tensor:
-        return tree_attention(q, k_cache, v_cache, length, k, v, ancestors, scale, num_splits=tile[0], block_n=tile[1])
+    def run(tile: dict | None = None, length: int | torch.Tensor = cache_len) -> torch.Tensor:
+        return tree_attention(q, k_cache, v_cache, length, k, v, ancestors, scale, **(tile or {}))
 
     def candidates() -> dict:
         length = torch.full((q.shape[0],), min(k_cache.shape[1], VERIFY_TIMING_KEYS), device=q.device)
@@ -199,7 +204,7 @@ def verify_attention(
 
     key = (*q.shape, k_cache.shape[1], k_cache.shape[2], q.dtype)
     name = verify_attention_choice.pick(key, candidates, can_time=q.is_cuda)
-    return run(VERIFY_TILES.get(name, (None, None)))
+    return run(VERIFY_TILES.get(name))
 
 
 def additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

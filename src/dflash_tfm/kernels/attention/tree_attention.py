@@ -65,7 +65,8 @@ def _tree_attention_kernel(
         k_t = tl.load(k_cache + b * sc_b + cols[:, None] * sc_s + kvh * sc_h + offs_d[None, :], mask=km, other=0.0)
         v_t = tl.load(v_cache + b * svc_b + cols[:, None] * svc_s + kvh * svc_h + offs_d[None, :], mask=km, other=0.0)
         acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, q_t, k_t, v_t, (cols < hi)[None, :], qk_scale)
-    tree_hi = tl.where(split == SPLITS - 1, N, 0)
+    last_node = tl.minimum((tl.program_id(0) + 1) * BM - 1, N * G - 1) // G  # ancestors precede: no key past it
+    tree_hi = tl.where(split == SPLITS - 1, last_node + 1, 0)
     for start in range(0, tree_hi, BN):
         cols = start + tl.arange(0, BN)
         km = (cols[:, None] < N) & dm[None, :]
@@ -111,19 +112,24 @@ def _num_splits(rows_blocks: int, max_len: int, device: torch.device) -> int:
 def tree_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_len: int | torch.Tensor,
     k_tree: torch.Tensor, v_tree: torch.Tensor, ancestor_bitsets: torch.Tensor, scale: float | None = None,
-    num_splits: int | None = None, block_n: int | None = None,
+    num_splits: int | None = None, block_n: int | None = None, block_m: int | None = None,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
     """Attention of N tree nodes over the committed cache plus their ancestors-and-self (GQA).
 
     q ``[B, N, H, D]`` (RoPE'd at L + depth); k_cache, v_cache ``[B, S, Hkv, D]``; cache_len an int or ``[B]``
     tensor (no host sync); k_tree, v_tree ``[B, N, Hkv, D]``; ancestor_bitsets ``[B, N, ceil(N/64)]`` int64;
     scale defaults to ``D**-0.5``; ``num_splits`` (a power of two) overrides the cache split heuristic,
-    ``block_n`` (16, 32, 64) the keys per tile (default 32 at head dim > 128, else 64). Returns ``o [B, N, H, D]`` in q's dtype.
+    ``block_n`` (16, 32, 64) the keys per tile (default 32 at head dim > 128, else 64), ``block_m`` (16 … 128)
+    the (node, head) rows per program (default: as few as the rows need, ≤ 64), ``num_stages`` Triton's
+    software pipelining depth of the key loop. Returns ``o [B, N, H, D]`` in q's dtype.
     """
     B, N, H, Hkv, D, S = check_tree_attention_inputs(q, k_cache, v_cache, k_tree, v_tree, ancestor_bitsets)
     scale = D**-0.5 if scale is None else scale
     if block_n not in (None, 16, 32, 64):
         raise ValueError(f"block_n must be 16, 32 or 64, got {block_n}")
+    if block_m not in (None, 16, 32, 64, 128):
+        raise ValueError(f"block_m must be 16, 32, 64 or 128, got {block_m}")
     if not use_triton(q):
         return tree_attention_reference(q, k_cache, v_cache, cache_len, k_tree, v_tree, ancestor_bitsets, scale)
     q, k_cache, v_cache, k_tree, v_tree = (
@@ -133,7 +139,8 @@ def tree_attention(
     BD = max(16, triton.next_power_of_2(D))
     # Row tiles as small as the rows need (a decode step has G rows per kv head); no register spills on sm_90
     # (ptxas -v) for BM ≤ 64 with D = 64, 128, 256.
-    BM, BN = min(64, max(16, triton.next_power_of_2(N * G))), block_n or (32 if BD > 128 else 64)
+    BM = block_m or min(64, max(16, triton.next_power_of_2(N * G)))
+    BN = block_n or (32 if BD > 128 else 64)
     m_blocks = triton.cdiv(N * G, BM)
     max_len = cache_len if isinstance(cache_len, int) else S
     splits = num_splits or _num_splits(m_blocks * B * Hkv, max_len, q.device)
@@ -147,7 +154,8 @@ def tree_attention(
         q, k_cache, v_cache, lens, k_tree, v_tree, ancestor_bitsets.contiguous(), o, o_part, lse_part,
         N, H, Hkv, ancestor_bitsets.shape[-1], scale * math.log2(math.e),
         *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3], *k_tree.stride()[:3], *v_tree.stride()[:3],
-        G=G, D=D, BD=BD, BM=BM, BN=BN, SPLITS=splits, num_warps=8 if BD >= 128 else 4)
+        G=G, D=D, BD=BD, BM=BM, BN=BN, SPLITS=splits, num_warps=8 if BD >= 128 else 4,
+        **({} if num_stages is None else {"num_stages": num_stages}))
     if splits > 1:
         _merge_splits_kernel[(B * N * H,)](o_part, lse_part, o, B * N * H, D=D, BD=BD, SPLITS=splits)
     return o

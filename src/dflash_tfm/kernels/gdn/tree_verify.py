@@ -35,9 +35,10 @@ The chunk kernels are compiled once for all N (``do_not_specialize``), except th
 
 Precision: ``precision`` is the ``tl.dot`` input precision of the products with the state (K·S0, Q·S0, the
 only large ones), ``solve_precision`` that of every other dot (Gram tiles, block inverses, substitution).
-Both default to fp32 ``"ieee"`` (no TF32 rounding; bf16 inputs are upcast, which also keeps the kernels
-exact under Triton's CPU interpreter, where "tf32"/"tf32x3" run as fp32). ``"tf32x3"`` uses tensor cores
-at about fp32 accuracy, ``"tf32"`` rounds the inputs to 10 mantissa bits.
+``"ieee"`` is fp32 (no TF32 rounding; bf16 inputs are upcast), ``"tf32x3"`` uses tensor cores at about fp32
+accuracy, ``"tf32"`` rounds the inputs to 10 mantissa bits; under Triton's CPU interpreter all three run as
+fp32. The state products default to "tf32", the rest to "tf32" for 16-bit inputs of large trees and "ieee"
+otherwise (``gdn_tree_verify``).
 
 ``kernel="recurrent"`` is the baseline to beat: it steps through the nodes in order, keeping a state snapshot
 per node (node i starts from its parent's).
@@ -445,6 +446,9 @@ def _gdn_tree_recurrent_kernel(
         tl.debug_barrier()  # a later child may reload this snapshot
 
 
+TF32_SOLVE_MIN_NODES = 32  # the default solve runs at tf32 from here on for 16-bit inputs (see gdn_tree_verify)
+
+
 def _block_v(dv: int) -> int:
     return min(32, max(16, triton.next_power_of_2(dv)))
 
@@ -453,7 +457,7 @@ def gdn_tree_verify(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     parents: torch.Tensor, initial_state: torch.Tensor, scale: float | None = None, kernel: str = "chunk",
     ancestors: torch.Tensor | None = None, block_size: int = 16, *, solve: str = "split",
-    precision: str = "tf32", solve_precision: str = "ieee", block_v: int | None = 32,
+    precision: str = "tf32", solve_precision: str | None = None, block_v: int | None = 32,
     num_warps: int | None = None, num_stages: int | None = 1, gram_pairs: bool = True,
     state_block_v: int = 64, solve_width: int | None = None, fuse_gram: bool = False, gram_native: bool = True,
     u_out: torch.Tensor | None = None, G_out: torch.Tensor | None = None,
@@ -467,9 +471,12 @@ def gdn_tree_verify(
     context for :func:`gdn_tree_commit`. CPU tensors without the Triton interpreter use the torch twin.
 
     The defaults are the fastest configuration of the H200 sweeps at Qwen3.6-27B shapes (``python -m
-    benchmarks.bench_tree_kernels --sweep``: 11.7 / 26.4 / 57.4 µs per layer at N = 16 / 65 / 129, against
-    14.3 / 64.4 / 137.0 for the serial fp32 solver; errors vs the fp32 twin: o 6.5e-3 with bf16 outputs,
-    u 1.7e-4, from the tf32 state products).
+    benchmarks.bench_tree_kernels --sweep``: 10.6 / 22.6 / 43.7 µs per layer at N = 16 / 65 / 129, against
+    14.3 / 64.4 / 137.0 for the serial fp32 solver; errors vs the fp32 twin: o 6.0e-3 with bf16 outputs,
+    u 8.9e-4). ``solve_precision=None`` picks "tf32" with ``solve_width`` 32 for 16-bit inputs of more than
+    `TF32_SOLVE_MIN_NODES` nodes (10-bit mantissas, finer than the inputs' own rounding: 22.6 against 25.4 µs
+    at N = 65, 43.7 against 56.5 at 129, but 12.0 against 10.6 at 16), else fp32 "ieee", so fp32 inputs are
+    solved at fp32 accuracy.
 
     Chunk-kernel tuning (module docstring): ``solve`` "subst" | "split"; ``precision`` / ``solve_precision``
     "ieee" | "tf32" | "tf32x3" for the state products / all other dots; ``block_v`` the dv block of the
@@ -486,6 +493,10 @@ def gdn_tree_verify(
     buffers let the model's commit fold every layer in one launch without stacking copies.
     """
     B, N, HK, HV, R, dk, dv = check_gdn_tree_inputs(q, k, v, g, beta, parents, initial_state)
+    if solve_precision is None:
+        tf32_solve = q.dtype in (torch.bfloat16, torch.float16) and N > TF32_SOLVE_MIN_NODES
+        solve_precision = "tf32" if tf32_solve else "ieee"
+        solve_width = 32 if tf32_solve and solve_width is None else solve_width
     if kernel not in ("chunk", "recurrent"):
         raise ValueError(f"kernel must be 'chunk' or 'recurrent', got {kernel!r}")
     if block_size not in (16, 32):
