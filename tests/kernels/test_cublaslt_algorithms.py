@@ -17,6 +17,24 @@ def test_no_candidates_off_the_gpu() -> None:
     assert lt.problem(65, 64, 32, torch.float32, torch.device("cuda")) is None
 
 
+def test_a_refused_shape_warns_once_and_offers_no_candidates(monkeypatch: pytest.MonkeyPatch) -> None:
+    """cuBLASLt failing for a shape (or nvmath built for other CUDA bindings) removes the candidates, it does
+    not break the projection."""
+    calls = []
+
+    def refuse(*args) -> None:
+        calls.append(args)
+        raise RuntimeError("CUBLAS_STATUS_NOT_SUPPORTED")
+
+    monkeypatch.setattr(lt, "bindings", lambda: ("cublasLt", "cublas", "types"))
+    monkeypatch.setattr(lt, "LtProblem", refuse)
+    monkeypatch.setattr(lt, "_problems", {})
+    with pytest.warns(UserWarning, match="NOT_SUPPORTED"):
+        assert lt.problem(65, 64, 32, torch.bfloat16, torch.device("cuda")) is None
+    assert lt.problem(65, 64, 32, torch.bfloat16, torch.device("cuda")) is None
+    assert len(calls) == 1
+
+
 def test_algorithm_index_reads_the_rank_from_the_name() -> None:
     assert lt.algorithm_index("cublaslt#0 id 21 tile 64x128 stages 64x6 split-k 1 cluster 1x1x1") == 0
     assert lt.algorithm_index("cublaslt#7 id 66") == 7

@@ -101,7 +101,8 @@ def _candidates(x: torch.Tensor, weight: torch.Tensor, rows: int) -> dict:
         for name, parts in PARTS.items():
             if weight.shape[0] % (8 * parts) == 0:
                 candidates[name] = lambda parts=parts: cublas_in_parts(x, weight, parts)
-    lt = cublaslt_algorithms.problem(rows, *weight.shape, x.dtype, x.device) if rows >= MIN_LT_ROWS else None
+    lt = (cublaslt_algorithms.problem(rows, *weight.shape, x.dtype, x.device)
+          if rows >= MIN_LT_ROWS and weight.dtype == x.dtype else None)
     for i, name in enumerate(lt.names if lt is not None else []):
         candidates[name] = lambda i=i: lt.run(x, weight, i)
     for config in candidate_configs(rows, weight.shape[0], weight.shape[1], sms):

@@ -10,6 +10,9 @@ Each algorithm's twin is ``F.linear`` (GPU test: ``tests/kernels/test_cublaslt_a
 """
 from __future__ import annotations
 
+import functools
+import warnings
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -19,12 +22,17 @@ WORKSPACE_BYTES = 32 << 20  # what the split-K algorithms may use; one buffer pe
 ALIGNMENT = 256  # the heuristic's default assumption about every operand's address
 
 
+@functools.cache
 def bindings():
-    """nvmath's cuBLASLt module (plus the cuBLAS and CUDA enums it needs), or None where it is not installed."""
+    """nvmath's cuBLASLt module (plus the cuBLAS and CUDA enums it needs), or None where it is not installed
+    (or does not load: say, built against other CUDA bindings than the ones installed)."""
     try:
         from nvmath._utils import CudaDataType
         from nvmath.bindings import cublas, cublasLt
     except ImportError:
+        return None
+    except Exception as e:  # noqa: BLE001 — a broken optional dependency only removes candidates
+        warnings.warn(f"nvmath-python does not load ({type(e).__name__}: {e}); no cuBLASLt algorithm candidates")
         return None
     return cublasLt, cublas, CudaDataType
 
@@ -40,7 +48,7 @@ class _Device:
 
 
 _devices: dict[int, _Device] = {}
-_problems: dict[tuple, "LtProblem"] = {}
+_problems: dict[tuple, "LtProblem | None"] = {}  # None: cuBLASLt refused the shape (warned once)
 
 
 def _set(setter, obj: int, attr, value, dtype) -> None:
@@ -121,12 +129,17 @@ class LtProblem:
 
 
 def problem(rows: int, n: int, k: int, dtype: torch.dtype, device: torch.device) -> LtProblem | None:
-    """The cached `LtProblem` of a shape, or None without nvmath-python, a CUDA device or a 16-bit dtype."""
+    """The cached `LtProblem` of a shape, or None without nvmath-python, a CUDA device or a 16-bit dtype, or
+    where cuBLASLt refused it (a warning says why)."""
     if bindings() is None or device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
         return None
     key = (rows, n, k, dtype, device)
     if key not in _problems:
-        _problems[key] = LtProblem(rows, n, k, dtype, device)
+        try:
+            _problems[key] = LtProblem(rows, n, k, dtype, device)
+        except Exception as e:  # noqa: BLE001 — cuBLASLt refusing the problem only removes candidates
+            warnings.warn(f"no cuBLASLt algorithm candidates for {key[:3]}: {type(e).__name__}: {e}")
+            _problems[key] = None
     return _problems[key]
 
 
