@@ -5,7 +5,9 @@ choice and cuBLAS's own streamed the weights 5–10 % more slowly than the one-r
 issue 3). The algorithms ranked after it differ in tile, stages, split-K and cluster shape, and each becomes a
 candidate of the projection's measured choice (`layers/linear.py`). The calls go through nvmath-python's
 cuBLASLt bindings on the caller's stream, with a preallocated workspace, so they can be captured in CUDA
-graphs. nvmath-python is optional (the ``gpu`` extra): without it, or without a GPU, there are no candidates.
+graphs. torch exposes no algorithm choice on CUDA (its TunableOp times only the default GEMM there), and
+nvmath-python is NVIDIA's maintained binding of the library. It is optional (the ``gpu`` extra): without it, or
+without a GPU, there are no candidates.
 Each algorithm's twin is ``F.linear`` (GPU test: ``tests/kernels/test_cublaslt_algorithms.py``).
 """
 from __future__ import annotations
