@@ -13,8 +13,8 @@ dot precisions, blocking, warps/stages) at N = 16, 65, 129 in one run, with the 
 of the solved rows ``u`` against the fp32 torch twin, then one config combining the one-off changes that beat
 the base config at N = 65, and prints the best config (fastest at N = 65 within the bf16 tolerance 1e-2).
 About 1–2 minutes on an H200, most of it compiling; ``--budget`` seconds stops starting new configs.
-``--attention-sweep`` times tree attention's tile options (splits, key and row tiles, pipeline stages) at
-``--sweep-ns`` and cache ``--lengths``.
+``--attention-sweep`` times tree attention's tile options (splits, key and row tiles, pipeline stages, a
+tree-only split) at ``--sweep-ns`` and cache ``--lengths``.
 
     python benchmarks/bench_tree_kernels.py [--ns 16 32 65 129] [--gdn-layers 48]
     python -m benchmarks.bench_tree_kernels --sweep [--sweep-ns 16 65 129] [--budget 150] [--configs '{}' ...]
@@ -236,7 +236,8 @@ def bench_attention_and_conv(n: int, attn_layers: int, conv_layers: int) -> None
 
 
 ATTENTION_SWEEP = [dict(num_splits=s, block_n=bn, block_m=bm, num_stages=st)
-                   for s in (2, 4, 8) for bn in (32, 64) for bm in (64, 128) for st in (None, 2)]
+                   for s in (2, 4, 8) for bn in (32, 64) for bm in (64, 128) for st in (None, 2)] + [
+                   dict(num_splits=s, block_m=bm, tree_split=True) for s in (4, 8, 16) for bm in (64, 128)]
 
 
 def bench_attention_sweep(ns: list[int], lengths: list[int], layers: int) -> None:

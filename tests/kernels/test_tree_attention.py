@@ -87,8 +87,20 @@ def test_triton_row_tiles_match_path_attention(block_m: int, num_stages: int | N
     assert rel_err(o, path_attention(x, parents, lens, 32**-0.5)) <= 1e-5
 
 
+@pytest.mark.parametrize("splits", [1, 2, 4])
+def test_triton_tree_only_split_matches_path_attention(splits: int, triton_device: str) -> None:
+    """``tree_split``: the tree keys as one more split (3 and 5 parts to merge: not a power of two), over a
+    cache split into slices that are partly empty (length 5) or wholly empty (0); with one cache split it is
+    the plain kernel."""
+    x, parents = make_case(3, 20, 6, 2, 32, 64, "random", triton_device)
+    lens = [64, 5, 0]
+    o = tree_attention(**x, cache_len=torch.tensor(lens, device=triton_device), num_splits=splits, tree_split=True)
+    assert rel_err(o, path_attention(x, parents, lens, 32**-0.5)) <= 1e-5
+
+
 @pytest.mark.parametrize("name", [
-    "tree_kernel", "tree_kernel s1", "tree_kernel s4 bn64", "tree_kernel s2 bn64 bm128 st2"])
+    "tree_kernel", "tree_kernel s1", "tree_kernel s4 bn64", "tree_kernel s2 bn64 bm128 st2",
+    "tree_kernel s4 bm128 ts"])
 def test_triton_verify_attention_candidates_match_path_attention(name: str, triton_device: str) -> None:
     """Each candidate the verify's measured choice may pick (forced by name) attends over the caller's lengths,
     not the length the candidates are timed at."""
@@ -152,12 +164,12 @@ def test_validation_errors() -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("N", [16, 65, 129])
 def test_gpu_matches_twin_27b_shapes(N: int) -> None:
-    """Qwen3.6-27B attention: 24 query heads, 4 kv heads, head_dim 256, cache 4096, bf16; default tiles and
-    128-row tiles with 2 pipeline stages."""
+    """Qwen3.6-27B attention: 24 query heads, 4 kv heads, head_dim 256, cache 4096, bf16; default tiles,
+    128-row tiles with 2 pipeline stages, and 8 cache splits with a tree-only split."""
     x, _ = make_case(1, N, 24, 4, 256, 4096, "best_first", "cuda", torch.bfloat16)
     for cache_len in (4000, torch.tensor([4096], device="cuda"), 0):
         ref = tree_attention_reference(**x, cache_len=cache_len)
-        for options in ({}, {"block_m": 128, "num_stages": 2, "num_splits": 4}):
+        for options in ({}, {"block_m": 128, "num_stages": 2, "num_splits": 4}, {"num_splits": 8, "tree_split": True}):
             assert rel_err(tree_attention(**x, cache_len=cache_len, **options), ref) <= 2e-2
 
 

@@ -176,12 +176,15 @@ def decode_attention(
 verify_attention_choice = MeasuredChoice(default="tree_kernel")
 # Also timed (tree_attention keyword arguments): fixed cache splits; 64-key tiles (half the loop trips; at head
 # dim 256 ptxas spills ~130 bytes); 128-row tiles, which read each K/V tile for twice the rows (at head dim 256
-# with 64-key tiles only in 2 pipeline stages: 3 exceed the shared memory).
+# with 64-key tiles only in 2 pipeline stages: 3 exceed the shared memory); the tree keys as a split of their
+# own ("ts": the last cache split no longer walks the tree keys after its slice).
 VERIFY_TILES = {f"tree_kernel s{n}": {"num_splits": n} for n in (1, 2, 4, 8, 16)} | {
     f"tree_kernel s{n} bn64": {"num_splits": n, "block_n": 64} for n in (2, 4, 8)} | {
     f"tree_kernel s{n} bm128": {"num_splits": n, "block_m": 128} for n in (2, 4, 8)} | {
     f"tree_kernel s{n} bn64 bm128 st2": {"num_splits": n, "block_n": 64, "block_m": 128, "num_stages": 2}
-    for n in (2, 4, 8)}
+    for n in (2, 4, 8)} | {
+    f"tree_kernel s{n}{bm} ts": {"num_splits": n, "tree_split": True} | ({"block_m": 128} if bm else {})
+    for n in (4, 8, 16) for bm in ("", " bm128")}
 VERIFY_TIMING_KEYS = 2048  # cached keys the candidates are timed over (one verify graph serves every length)
 
 
