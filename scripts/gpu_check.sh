@@ -2,13 +2,14 @@
 # Everything that needs the GPU, in one call on the device machine (H200): GPU tests at real sizes, then
 # the benchmarks. Logs and JSON land in $OUT (default ./out); a short table is printed last.
 #   device run:  bash scripts/gpu_check.sh            (carry: .whl with fla-core and gguf wheels)
-# Set GPU_CHECK_PARTS to a subset of "tests kernels tree ar verify draft spec profile train" to run only those parts, GPU_TESTS to
-# test paths. All parts take longer than one 10-minute device call: e.g. "tests" in one call, "ar verify spec
+# Set GPU_CHECK_PARTS to a subset of "tests kernels tree prefetch ar verify draft spec projections profile
+# profile_verify train" to run only those parts, GPU_TESTS to test paths, VERIFY_NS to the verify step's tree
+# sizes. All parts take longer than one 10-minute device call: e.g. "tests" in one call, "ar verify spec
 # profile" in the next (the first call of each process also times the measured kernel choices).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}; mkdir -p "$OUT"
-PARTS=${GPU_CHECK_PARTS:-"tests kernels tree ar verify draft spec profile train"}
+PARTS=" ${GPU_CHECK_PARTS:-tests kernels tree prefetch ar verify draft spec projections profile train} "
 export PYTHONUNBUFFERED=1
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -16,8 +17,8 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 else
   export PYTHONPATH=src:.
 fi
-nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv > "$OUT/nvidia_smi.csv" 2>&1
-python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee "$OUT/versions.txt"
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv > "$OUT/versions.txt" 2>&1
+python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/versions.txt"
 status=0
 run() {  # name, command...
   local name=$1; shift
@@ -28,20 +29,23 @@ run() {  # name, command...
   echo "=== $name rc=$rc in $((SECONDS - t0)) s" | tee -a "$OUT/summary.txt"
   [ "$rc" = 0 ] || status=1
 }
-[[ $PARTS == *tests* ]] && run gpu_tests python3 -m pytest -q -m gpu -p no:cacheprovider ${GPU_TESTS:-tests/kernels tests/spec tests/models tests/engine}
-[[ $PARTS == *kernels* ]] && run bench_gdn_decode python3 -m benchmarks.bench_gdn_decode
-[[ $PARTS == *kernels* ]] && run bench_gdn_fused_decode python3 -m benchmarks.bench_gdn_fused_decode
-[[ $PARTS == *tree* ]] && run bench_tree_kernels python3 -m benchmarks.bench_tree_kernels
-[[ $PARTS == *ar* ]] && run bench_ar_decode python3 -m benchmarks.bench_ar_decode --out "$OUT/ar_decode.json"
-[[ $PARTS == *verify* ]] && run bench_verify_step python3 -m benchmarks.bench_verify_step --out "$OUT/verify_step.json"
-[[ $PARTS == *draft* ]] && run bench_dflash_draft python3 -m benchmarks.bench_dflash_draft --profile
+has() { [[ $PARTS == *" $1 "* ]]; }
+has tests && run gpu_tests python3 -m pytest -q -m gpu -p no:cacheprovider ${GPU_TESTS:-tests/kernels tests/spec tests/models tests/engine}
+has kernels && run bench_gdn_decode python3 -m benchmarks.bench_gdn_decode
+has kernels && run bench_gdn_fused_decode python3 -m benchmarks.bench_gdn_fused_decode
+has tree && run bench_tree_kernels python3 -m benchmarks.bench_tree_kernels
+has prefetch && run bench_l2_prefetch python3 -m benchmarks.bench_l2_prefetch
+has prefetch && run bench_l2_prefetch_ar python3 -m benchmarks.bench_l2_prefetch --rows 1
+has ar && run bench_ar_decode python3 -m benchmarks.bench_ar_decode --out "$OUT/ar_decode.json"
+has verify && run bench_verify_step python3 -m benchmarks.bench_verify_step --ns ${VERIFY_NS:-1 16 65 129} --out "$OUT/verify_step.json"
+has draft && run bench_dflash_draft python3 -m benchmarks.bench_dflash_draft --profile
 # The tree build first: it is the shorter of the two "spec" parts, and a call cut by its time limit still
 # returns what ran.
-[[ $PARTS == *spec* ]] && run bench_tree_build python3 -m benchmarks.bench_tree_build --profile
-[[ $PARTS == *spec* ]] && run bench_spec_step python3 -m benchmarks.bench_spec_step --out "$OUT/spec_step.json"
-[[ $PARTS == *profile* ]] && run bench_projection_kernels python3 -m benchmarks.bench_projection_kernels
-[[ $PARTS == *profile* ]] && run profile_decode python3 -m benchmarks.profile_decode_step
-[[ $PARTS == *profile* ]] && run profile_verify python3 -m benchmarks.profile_decode_step --verify-nodes 65
-[[ $PARTS == *train* ]] && run bench_training_step python3 -m benchmarks.bench_training_step --profile --out "$OUT/training_step.json"
+has spec && run bench_tree_build python3 -m benchmarks.bench_tree_build --profile
+has spec && run bench_spec_step python3 -m benchmarks.bench_spec_step --out "$OUT/spec_step.json"
+has projections && run bench_projection_kernels python3 -m benchmarks.bench_projection_kernels
+has profile && run profile_decode python3 -m benchmarks.profile_decode_step
+(has profile || has profile_verify) && run profile_verify python3 -m benchmarks.profile_decode_step --verify-nodes 65
+has train && run bench_training_step python3 -m benchmarks.bench_training_step --profile --out "$OUT/training_step.json"
 echo; cat "$OUT/summary.txt"
 exit $status
