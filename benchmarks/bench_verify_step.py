@@ -4,8 +4,10 @@ its autoregressive decode step (GPU script).
 For N = 1, 16, 65, 129 tree nodes (best-first shaped trees, depth <= 15) below a 1k-token context, the
 verify forward + logits and the commit of a depth-5 path are each captured in a CUDA graph and timed with
 CUDA events after warm-up (median). The AR step is the engine's captured decode step at the same context.
+With several ``--prefetch-mib`` values, AR and verify are timed once per L2 prefetch setting.
 
     python benchmarks/bench_verify_step.py --out $OUT/verify_step.json [--kernel chunk|recurrent]
+        [--prefetch-mib 0 24]
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from dflash_tfm.layers.attention import decode_attention_choice, verify_attentio
 from dflash_tfm.layers.gated_deltanet import gdn_tree_inputs_choice
 from dflash_tfm.layers.linear import projection_choice, skinny_projections
 from dflash_tfm.layers.norm import add_norm_rows_choice
+from dflash_tfm.layers.weight_prefetch import prefetch_bytes, prefetching
 from dflash_tfm.loading.loader import build_model
 from dflash_tfm.models.presets import QWEN3_6_27B
 from dflash_tfm.models.random_init import init_random_
@@ -40,17 +43,8 @@ def first_child_path(parents: torch.Tensor, depth: int = 5) -> tuple[torch.Tenso
     return accepted, path_idx
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--ns", type=int, nargs="+", default=[1, 16, 65, 129])
-    ap.add_argument("--context", type=int, default=1024)
-    ap.add_argument("--kernel", default="chunk", choices=["chunk", "recurrent"])
-    ap.add_argument("--iters", type=int, default=50)
-    ap.add_argument("--out", default=None)
-    args = ap.parse_args()
-    cfg = ModelConfig.from_dict(QWEN3_6_27B)
-    device = torch.device("cuda")
-    model = init_random_(build_model(cfg, device, torch.bfloat16, max_positions=args.context + 1024))
+def time_steps(model, cfg: ModelConfig, args: argparse.Namespace, device: torch.device) -> dict:
+    """A fresh runner (its own AR graph): the AR step, then each N's verify and commit, all at the context."""
     runner = ModelRunner(model, max_len=args.context + 512, device=device)
     runner.reset()
     L = args.context
@@ -59,7 +53,7 @@ def main() -> None:
     runner.decode(token, L)  # capture the AR graph (it writes slot L, which verify never reads)
     ar_ms = time_ms(lambda: runner.decode(token, L), args.iters)
     print(f"AR decode step at context {L}: {ar_ms:.2f} ms", flush=True)
-    results = {"context": L, "ar_step_ms": ar_ms, "kernel": args.kernel, "verify": {}}
+    results = {"ar_step_ms": ar_ms, "verify": {}}
     with torch.inference_mode(), skinny_projections():  # as the engine's speculative step runs it
         for n in args.ns:
             parents = random_parents(n, "best_first", seed=n, max_depth=15).to(device)
@@ -85,10 +79,34 @@ def main() -> None:
             results["verify"][n] = {"verify_ms": verify_ms, "commit_ms": commit_ms, "max_depth": int(depth.max())}
             print(f"N={n}: verify {verify_ms:.2f} ms ({verify_ms / ar_ms:.2f}x AR), commit {commit_ms:.3f} ms", flush=True)
             del graph, cgraph
-    print(f"\n| N | verify ms | / AR step | commit ms |  (AR step {ar_ms:.2f} ms, context {L}, GDN kernel {args.kernel})")
-    print("|---|---|---|---|")
-    for n, r in results["verify"].items():
-        print(f"| {n} | {r['verify_ms']:.2f} | {r['verify_ms'] / ar_ms:.2f}x | {r['commit_ms']:.3f} |")
+    del runner
+    torch.cuda.empty_cache()
+    return results
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ns", type=int, nargs="+", default=[1, 16, 65, 129])
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--kernel", default="chunk", choices=["chunk", "recurrent"])
+    ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--prefetch-mib", type=int, nargs="+", default=[prefetch_bytes() >> 20],
+                    help="L2 prefetch of out_proj / o_proj per mixer (layers/weight_prefetch.py), MiB; one run each")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    cfg = ModelConfig.from_dict(QWEN3_6_27B)
+    device = torch.device("cuda")
+    model = init_random_(build_model(cfg, device, torch.bfloat16, max_positions=args.context + 1024))
+    L = args.context
+    results = {"context": L, "kernel": args.kernel, "runs": {}}
+    for mib in args.prefetch_mib:
+        with prefetching(mib << 20):  # captured into this run's graphs
+            results["runs"][mib] = run = time_steps(model, cfg, args, device)
+        print(f"\n| N | verify ms | / AR step | commit ms |  (AR step {run['ar_step_ms']:.2f} ms, context {L}, GDN "
+              f"kernel {args.kernel}, L2 prefetch {mib} MiB)")
+        print("|---|---|---|---|")
+        for n, r in run["verify"].items():
+            print(f"| {n} | {r['verify_ms']:.2f} | {r['verify_ms'] / run['ar_step_ms']:.2f}x | {r['commit_ms']:.3f} |")
     report_choices(results, projections=projection_choice, decode_attention=decode_attention_choice,
                    verify_attention=verify_attention_choice, gdn_tree_inputs=gdn_tree_inputs_choice,
                    add_norm_rows=add_norm_rows_choice)

@@ -8,6 +8,7 @@ import torch
 from dflash_tfm.config import ModelConfig
 from dflash_tfm.engine.model_runner import ModelRunner
 from dflash_tfm.layers import attention, gated_deltanet
+from dflash_tfm.layers.weight_prefetch import prefetching
 from dflash_tfm.loading.loader import build_model
 from dflash_tfm.models.random_init import init_random_
 from dflash_tfm.spec.tree import TreeSpec, random_parents
@@ -48,24 +49,35 @@ def target(request):
     return model, dtype
 
 
-def test_graph_decode_matches_full_prefill(target) -> None:
+@pytest.mark.parametrize("prefetch", [0, 1 << 20], ids=["no-prefetch", "l2-prefetch"])
+def test_graph_decode_matches_full_prefill(target, prefetch: int) -> None:
+    """Captured decode steps, with and without the L2 prefetch of out_proj / o_proj in the graph."""
     model, dtype = target
     ids = torch.randint(0, 256, (90,), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
     ref = full_logits(model, ids)
     runner = ModelRunner(model, max_len=512, device=torch.device("cuda"), use_cuda_graph=True)
     runner.reset()
-    last, _ = runner.prefill(ids[:60])
-    assert rel_err(last, ref[59]) <= TOLERANCE[dtype]
-    for t in range(60, 90):
-        logits = runner.decode(ids[t : t + 1], t)
-        assert rel_err(logits[0], ref[t]) <= TOLERANCE[dtype], f"position {t}"
+    with prefetching(prefetch):
+        last, _ = runner.prefill(ids[:60])
+        assert rel_err(last, ref[59]) <= TOLERANCE[dtype]
+        for t in range(60, 90):
+            logits = runner.decode(ids[t : t + 1], t)
+            assert rel_err(logits[0], ref[t]) <= TOLERANCE[dtype], f"position {t}"
 
 
-@pytest.mark.parametrize("paths", [("unfused", "tree_kernel"), ("fused", "tree_kernel s1")])
+@pytest.mark.parametrize("paths", [("unfused", "tree_kernel", 0), ("fused", "tree_kernel s1", 0),
+                                   ("fused", "tree_kernel", 1 << 20)])
 def test_triton_verify_and_commit_match_plain_decoding(target, paths, monkeypatch) -> None:
-    """Both GDN verify-input paths and both split modes of the tree attention (forced)."""
+    """Both GDN verify-input paths and both split modes of the tree attention (forced), and the L2 prefetch of
+    out_proj / o_proj (paths[2] bytes)."""
     monkeypatch.setattr(gated_deltanet.gdn_tree_inputs_choice, "choices", Always(paths[0]))
     monkeypatch.setattr(attention.verify_attention_choice, "choices", Always(paths[1]))
+    with prefetching(paths[2]):
+        check_verify_and_commit(target)
+
+
+def check_verify_and_commit(target) -> None:
+    """Verify logits of every node equal plain decoding of its path; after commit, the next step matches."""
     model, dtype = target
     gen = torch.Generator("cuda").manual_seed(1)
     prompt = torch.randint(0, 256, (40,), device="cuda", generator=gen)

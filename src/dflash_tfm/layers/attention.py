@@ -16,6 +16,7 @@ from dflash_tfm.layers.linear import linear
 from dflash_tfm.layers.measured_choice import MeasuredChoice
 from dflash_tfm.layers.norm import RMSNorm, rms_norm
 from dflash_tfm.layers.rotary import RotaryEmbedding, apply_rotary, apply_rotary_to_keys
+from dflash_tfm.layers.weight_prefetch import prefetch_weight
 
 
 class Attention(nn.Module):
@@ -78,6 +79,8 @@ class Attention(nn.Module):
         masked, so `kv_len` may be any static bound >= positions.max() + 1 (CUDA graphs use a bucket size).
         k_cache / v_cache: [B, S, Hkv, D]. A single new token on CUDA goes through `decode_attention`.
         """
+        if qkv.shape[1] == 1:
+            prefetch_weight(self.o_proj)
         q, k, v, gate = self.project(qkv, positions, rope)
         write_kv(k, v, positions, k_cache, v_cache)
         keys, values = k_cache[:, :kv_len], v_cache[:, :kv_len]
@@ -100,6 +103,7 @@ class Attention(nn.Module):
         """Tree nodes (their projections qkv [B, N, q|k|v]) at `positions` (L + depth) attend to the L cached
         keys plus their ancestors-and-self (`ancestors` bitsets [B, N, W]). The cache is only read; the nodes'
         K/V are returned for `commit`."""
+        prefetch_weight(self.o_proj)
         q, k, v, gate = self.project(qkv, positions, rope)
         o = verify_attention(q, k, v, k_cache, v_cache, cache_len, ancestors, self.scale)
         return self.output(o, gate), (k, v)

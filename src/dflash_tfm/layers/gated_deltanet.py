@@ -26,6 +26,7 @@ from dflash_tfm.layers.compile import fuse_on_cuda
 from dflash_tfm.layers.linear import linear
 from dflash_tfm.layers.measured_choice import MeasuredChoice
 from dflash_tfm.layers.norm import gated_rms_norm
+from dflash_tfm.layers.weight_prefetch import prefetch_weight
 from dflash_tfm.layers.short_conv import causal_conv1d
 
 
@@ -133,6 +134,7 @@ class GatedDeltaNet(nn.Module):
         T == 1 runs one fused kernel from the projection to the gated norm (CUDA-graph safe); prefill runs the
         chunked kernel."""
         if proj.shape[1] == 1:
+            prefetch_weight(self.out_proj)
             y = gdn_fused_decode(
                 proj, self.conv_weight, conv_window, self.A_log, self.dt_bias,
                 self.norm_weight, state, hk=self.hk, dk=self.dk, hv=self.hv, dv=self.dv, eps=self.eps)
@@ -159,6 +161,7 @@ class GatedDeltaNet(nn.Module):
         from the committed state and conv window, which are only read. Returns what `commit` needs; `keep`
         (this layer's `GDNCommitStacks.layer` slices, chunk kernel) receives it in place."""
         keep_mixed, u_out, G_out = (None, None, None) if keep is None else keep
+        prefetch_weight(self.out_proj)
         q, k, v, z, beta, g = self.tree_inputs(proj, parents, conv_window, keep_mixed)
         o, ctx = gdn_tree_verify(q, k, v, g, beta, parents, state, kernel=kernel, ancestors=ancestors,
                                  u_out=u_out, G_out=G_out)
