@@ -66,7 +66,7 @@ def test_graph_decode_matches_full_prefill(target, prefetch: int) -> None:
 
 
 @pytest.mark.parametrize("paths", [("unfused", "tree_kernel", 0), ("fused", "tree_kernel s1", 0),
-                                   ("fused", "tree_kernel", 1 << 20)])
+                                   ("fused", "tree_kernel", 1 << 20)], ids=["unfused", "fused-s1", "l2-prefetch"])
 def test_triton_verify_and_commit_match_plain_decoding(target, paths, monkeypatch) -> None:
     """Both GDN verify-input paths and both split modes of the tree attention (forced), and the L2 prefetch of
     out_proj / o_proj (paths[2] bytes)."""
