@@ -1,12 +1,16 @@
-"""Does warming L2 with the start of the next weight during the GDN tree solve speed up that GEMM? (GPU
+"""Does warming L2 with the start of the next weight during a latency-bound phase speed up that GEMM? (GPU
 script, not a test.)
 
-The solve leaves HBM nearly idle for ~30 µs per layer; the GEMM after it (out_proj: rows × 6144 → 5120,
-63 MB of bf16 weight, more than L2 holds) streams its weight cold. Over 48 layers, each with its own weight
-and state, one CUDA graph per variant, median µs per layer: the solve, the GEMM, the two in sequence, and
-`l2_prefetch` of the first P MB (or the same share of every row) launched just before the solve.
+Two windows of a Qwen3.6-27B verify step (`layers/weight_prefetch.py`), each over 48 layers with their own
+weights (nothing stays in L2 from one layer to the next), one CUDA graph per variant, median µs per layer:
 
-    python -m benchmarks.bench_l2_prefetch [--rows 65] [--mib 8 16 24 32 40]
+- mixer: the GDN tree solve (N = rows nodes), then out_proj (rows × 6144 → 5120, 63 MB of bf16 weight);
+  the first P MiB of out_proj (or the same share of every row) prefetched on the main stream before the solve,
+  or on a side stream (`ahead_of`, as the model runs it);
+- short: gate_up (rows × 5120 → 34816), silu · mul, then down (rows × 17408 → 5120, 178 MB), the first P
+  MiB of down prefetched on a side stream while silu · mul runs.
+
+    python -m benchmarks.bench_l2_prefetch [--rows 65] [--mib 8 16 24 32 40 48] [--short-mib 4 8 16 24]
 """
 from __future__ import annotations
 
@@ -19,22 +23,22 @@ from benchmarks.bench_tree_kernels import DK, DV, HV, gdn_inputs, tree
 from benchmarks.timing import time_graph
 from dflash_tfm.kernels import gdn_tree_verify
 from dflash_tfm.kernels.linear.l2_prefetch import l2_prefetch
+from dflash_tfm.layers.mlp import silu_and_mul
+from dflash_tfm.layers.weight_prefetch import ahead_of, prefetching
 
-LAYERS, HIDDEN, VALUE_DIM = 48, 5120, 6144
+LAYERS, HIDDEN, VALUE_DIM, FFN = 48, 5120, 6144, 17408
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--rows", type=int, default=65, help="GEMM rows and tree nodes")
-    ap.add_argument("--mib", type=int, nargs="+", default=[8, 16, 24, 32, 40, 48])
-    args = ap.parse_args()
-    torch.manual_seed(0)
+def show(name: str, us: float) -> None:
+    print(f"| {name} | {us:.2f} |", flush=True)
+
+
+def mixer_window(rows: int, mibs: list[int]) -> None:
     weights = [torch.randn(HIDDEN, VALUE_DIM, device="cuda", dtype=torch.bfloat16) for _ in range(LAYERS)]
-    x = torch.randn(args.rows, VALUE_DIM, device="cuda", dtype=torch.bfloat16)
-    parents, bits, _ = tree(args.rows)
-    inputs = gdn_inputs(args.rows)
+    x = torch.randn(rows, VALUE_DIM, device="cuda", dtype=torch.bfloat16)
+    parents, bits, _ = tree(rows)
+    inputs = gdn_inputs(rows)
     states = [torch.randn(1, HV, DK, DV, device="cuda") * 0.1 for _ in range(LAYERS)]
-    props = torch.cuda.get_device_properties(0)
 
     def gdn(layer: int) -> None:
         i = inputs
@@ -43,33 +47,59 @@ def main() -> None:
     def gemm(layer: int) -> None:
         F.linear(x, weights[layer])
 
-    def show(name: str, us: float) -> None:
-        print(f"| {name} | {us:.2f} |", flush=True)
-
-    print(f"rows {args.rows}, L2 {props.L2_cache_size / 2**20:.0f} MiB, weight "
-          f"{weights[0].numel() * 2 / 2**20:.0f} MiB\n| variant | µs per layer |\n|---|---|")
-    show("gdn", time_graph(gdn, LAYERS))
-    show("gemm", time_graph(gemm, LAYERS))
-    show("gdn; gemm", time_graph(lambda l: (gdn(l), gemm(l)), LAYERS))
-    show("prefetch 0 (launch only); gdn; gemm", time_graph(lambda l: (l2_prefetch(weights[l], 16), gdn(l), gemm(l)),
-                                                           LAYERS))
-    for mib in args.mib:
+    print(f"\nmixer window: tree solve of {rows} nodes, then out_proj ({weights[0].numel() * 2 / 2**20:.0f} MiB)\n"
+          "| variant | µs per layer |\n|---|---|")
+    show("solve", time_graph(gdn, LAYERS))
+    show("out_proj", time_graph(gemm, LAYERS))
+    show("solve; out_proj", time_graph(lambda l: (gdn(l), gemm(l)), LAYERS))
+    for mib in mibs:
         for spread in (False, True):
             def step(layer: int, n: int = mib << 20, s: bool = spread) -> None:
                 l2_prefetch(weights[layer], n, spread_rows=s)
                 gdn(layer)
                 gemm(layer)
-            show(f"prefetch {mib} MiB{' spread over rows' if spread else ''}; gdn; gemm", time_graph(step, LAYERS))
-    side = torch.cuda.Stream()
-    for mib in args.mib[1::2]:
-        def forked(layer: int, n: int = mib << 20) -> None:
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                l2_prefetch(weights[layer], n)
-            gdn(layer)
-            torch.cuda.current_stream().wait_stream(side)
+            show(f"prefetch {mib} MiB{' spread over rows' if spread else ''} (main stream); solve; out_proj",
+                 time_graph(step, LAYERS))
+
+        def forked(layer: int) -> None:
+            with ahead_of(weights[layer], "mixer", x):
+                gdn(layer)
             gemm(layer)
-        show(f"prefetch {mib} MiB on a side stream || gdn; gemm", time_graph(forked, LAYERS))
+        with prefetching(mixer=mib << 20):
+            show(f"prefetch {mib} MiB (side stream, ahead_of) || solve; out_proj", time_graph(forked, LAYERS))
+
+
+def short_window(rows: int, mibs: list[int]) -> None:
+    gate_up = [torch.randn(2 * FFN, HIDDEN, device="cuda", dtype=torch.bfloat16) for _ in range(LAYERS)]
+    down = [torch.randn(HIDDEN, FFN, device="cuda", dtype=torch.bfloat16) for _ in range(LAYERS)]
+    x = torch.randn(rows, HIDDEN, device="cuda", dtype=torch.bfloat16)
+
+    def mlp(layer: int) -> None:
+        h = F.linear(x, gate_up[layer])
+        with ahead_of(down[layer], "short", h):
+            act = silu_and_mul(h)
+        F.linear(act, down[layer])
+
+    print(f"\nshort window: gate_up, silu · mul, down ({down[0].numel() * 2 / 2**20:.0f} MiB), {rows} rows\n"
+          "| variant | µs per layer |\n|---|---|")
+    show("gate_up; silu·mul; down", time_graph(mlp, LAYERS))
+    for mib in mibs:
+        with prefetching(short=mib << 20):
+            show(f"gate_up; silu·mul || prefetch {mib} MiB of down; down", time_graph(mlp, LAYERS))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", type=int, default=65, help="GEMM rows and tree nodes")
+    ap.add_argument("--mib", type=int, nargs="+", default=[8, 16, 24, 32, 40, 48])
+    ap.add_argument("--short-mib", type=int, nargs="+", default=[4, 8, 16, 24])
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    props = torch.cuda.get_device_properties(0)
+    print(f"{props.name}: L2 {props.L2_cache_size / 2**20:.0f} MiB")
+    with torch.inference_mode():
+        mixer_window(args.rows, args.mib)
+        short_window(args.rows, args.short_mib)
 
 
 if __name__ == "__main__":

@@ -4,10 +4,11 @@ its autoregressive decode step (GPU script).
 For N = 1, 16, 65, 129 tree nodes (best-first shaped trees, depth <= 15) below a 1k-token context, the
 verify forward + logits and the commit of a depth-5 path are each captured in a CUDA graph and timed with
 CUDA events after warm-up (median). The AR step is the engine's captured decode step at the same context.
-With several ``--prefetch-mib`` values, AR and verify are timed once per L2 prefetch setting.
+With several ``--prefetch`` settings (MiB of L2 prefetch in mixer and short windows, layers/weight_prefetch.py),
+AR and verify are timed once per setting, each with its own graphs.
 
     python benchmarks/bench_verify_step.py --out $OUT/verify_step.json [--kernel chunk|recurrent]
-        [--prefetch-mib 0 24]
+        [--prefetch 0:0 32:0 32:8]
 """
 from __future__ import annotations
 
@@ -90,8 +91,8 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--kernel", default="chunk", choices=["chunk", "recurrent"])
     ap.add_argument("--iters", type=int, default=50)
-    ap.add_argument("--prefetch-mib", type=int, nargs="+", default=[prefetch_bytes() >> 20],
-                    help="L2 prefetch of out_proj / o_proj per mixer (layers/weight_prefetch.py), MiB; one run each")
+    ap.add_argument("--prefetch", nargs="+", default=[":".join(str(b >> 20) for b in prefetch_bytes().values())],
+                    help="MIXER:SHORT MiB of L2 prefetch per window kind (layers/weight_prefetch.py); one run each")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     cfg = ModelConfig.from_dict(QWEN3_6_27B)
@@ -99,11 +100,12 @@ def main() -> None:
     model = init_random_(build_model(cfg, device, torch.bfloat16, max_positions=args.context + 1024))
     L = args.context
     results = {"context": L, "kernel": args.kernel, "runs": {}}
-    for mib in args.prefetch_mib:
-        with prefetching(mib << 20):  # captured into this run's graphs
-            results["runs"][mib] = run = time_steps(model, cfg, args, device)
+    for setting in args.prefetch:
+        mixer, short = (int(m) << 20 for m in setting.split(":"))
+        with prefetching(mixer, short):  # captured into this run's graphs
+            results["runs"][setting] = run = time_steps(model, cfg, args, device)
         print(f"\n| N | verify ms | / AR step | commit ms |  (AR step {run['ar_step_ms']:.2f} ms, context {L}, GDN "
-              f"kernel {args.kernel}, L2 prefetch {mib} MiB)")
+              f"kernel {args.kernel}, L2 prefetch MiB mixer:short {setting})")
         print("|---|---|---|---|")
         for n, r in run["verify"].items():
             print(f"| {n} | {r['verify_ms']:.2f} | {r['verify_ms'] / run['ar_step_ms']:.2f}x | {r['commit_ms']:.3f} |")

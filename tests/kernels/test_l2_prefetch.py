@@ -1,5 +1,6 @@
 """l2_prefetch: a hint with no result, so its checks are that it compiles for Hopper, rejects what it cannot
-prefetch, does nothing off CUDA, and on the GPU runs at real sizes without touching the tensor it reads."""
+prefetch, does nothing off CUDA, and on the GPU runs at real sizes without touching the tensor it reads; and
+the layers' `weight_prefetch` settings and side-stream windows."""
 from __future__ import annotations
 
 import pytest
@@ -9,6 +10,7 @@ import triton
 from dflash_tfm.kernels import TRITON_INTERPRETED
 from dflash_tfm.kernels.linear import l2_prefetch as prefetch_module
 from dflash_tfm.kernels.linear.l2_prefetch import l2_prefetch
+from dflash_tfm.layers.weight_prefetch import MAX_ROWS, ahead_of, prefetch_bytes, prefetching
 
 
 @pytest.mark.skipif(TRITON_INTERPRETED, reason="the interpreter cannot run inline PTX: nothing to compile")
@@ -47,3 +49,53 @@ def test_gpu_prefetch_leaves_the_weight_and_gemm_unchanged(spread_rows: bool) ->
         l2_prefetch(w, nbytes, spread_rows=spread_rows)
     torch.cuda.synchronize()
     assert torch.equal(w, w0) and torch.equal(x @ w.t(), before)
+
+
+def test_prefetching_sets_per_window_bytes_and_restores_them() -> None:
+    before = prefetch_bytes()
+    with prefetching(mixer=32 << 20):
+        assert prefetch_bytes() == {"mixer": 32 << 20, "short": before["short"]}
+        with prefetching(short=8 << 20):
+            assert prefetch_bytes() == {"mixer": 32 << 20, "short": 8 << 20}
+        assert prefetch_bytes()["short"] == before["short"]
+    assert prefetch_bytes() == before
+    with pytest.raises(ValueError, match=">= 0"):
+        with prefetching(short=-1):
+            pass
+    assert prefetch_bytes() == before
+
+
+def test_ahead_of_runs_the_block_as_it_is_off_cuda() -> None:
+    ran = []
+    with prefetching(mixer=1 << 20):
+        with ahead_of(torch.ones(64, 64), "mixer", torch.ones(3, 64)):
+            ran.append(True)
+    assert ran == [True]
+
+
+@pytest.mark.gpu
+def test_gpu_ahead_of_in_a_cuda_graph_forks_and_joins() -> None:
+    """The side-stream fork and join are captured (the capture would fail on an unjoined stream) and the
+    graph's output is the plain computation's, replay after replay; more rows than MAX_ROWS do not fork."""
+    w = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(65, 4096, device="cuda", dtype=torch.bfloat16)
+
+    def step() -> torch.Tensor:
+        with ahead_of(w, "short", x):
+            y = torch.nn.functional.silu(x)
+        return y @ w.t()
+
+    with prefetching(short=8 << 20):
+        step()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = step()
+        for _ in range(3):
+            graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, torch.nn.functional.silu(x) @ w.t())
+        big = torch.randn(MAX_ROWS + 1, 4096, device="cuda", dtype=torch.bfloat16)
+        stream = torch.cuda.current_stream()
+        with ahead_of(w, "short", big):
+            assert torch.cuda.current_stream() == stream

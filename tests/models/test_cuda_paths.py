@@ -51,13 +51,13 @@ def target(request):
 
 @pytest.mark.parametrize("prefetch", [0, 1 << 20], ids=["no-prefetch", "l2-prefetch"])
 def test_graph_decode_matches_full_prefill(target, prefetch: int) -> None:
-    """Captured decode steps, with and without the L2 prefetch of out_proj / o_proj in the graph."""
+    """Captured decode steps, with and without the L2 prefetches (side-stream forks) in the graph."""
     model, dtype = target
     ids = torch.randint(0, 256, (90,), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
     ref = full_logits(model, ids)
     runner = ModelRunner(model, max_len=512, device=torch.device("cuda"), use_cuda_graph=True)
     runner.reset()
-    with prefetching(prefetch):
+    with prefetching(mixer=prefetch, short=prefetch):
         last, _ = runner.prefill(ids[:60])
         assert rel_err(last, ref[59]) <= TOLERANCE[dtype]
         for t in range(60, 90):
@@ -69,10 +69,10 @@ def test_graph_decode_matches_full_prefill(target, prefetch: int) -> None:
                                    ("fused", "tree_kernel", 1 << 20)], ids=["unfused", "fused-s1", "l2-prefetch"])
 def test_triton_verify_and_commit_match_plain_decoding(target, paths, monkeypatch) -> None:
     """Both GDN verify-input paths and both split modes of the tree attention (forced), and the L2 prefetch of
-    out_proj / o_proj (paths[2] bytes)."""
+    every projection after a mixer or a small op (paths[2] bytes)."""
     monkeypatch.setattr(gated_deltanet.gdn_tree_inputs_choice, "choices", Always(paths[0]))
     monkeypatch.setattr(attention.verify_attention_choice, "choices", Always(paths[1]))
-    with prefetching(paths[2]):
+    with prefetching(mixer=paths[2], short=paths[2]):
         check_verify_and_commit(target)
 
 

@@ -16,7 +16,7 @@ from dflash_tfm.layers.linear import linear
 from dflash_tfm.layers.measured_choice import MeasuredChoice
 from dflash_tfm.layers.norm import RMSNorm, rms_norm
 from dflash_tfm.layers.rotary import RotaryEmbedding, apply_rotary, apply_rotary_to_keys
-from dflash_tfm.layers.weight_prefetch import prefetch_weight
+from dflash_tfm.layers.weight_prefetch import ahead_of
 
 
 class Attention(nn.Module):
@@ -56,12 +56,10 @@ class Attention(nn.Module):
         q, k = qk_norm_rope(q, k, *norms, rope.cos_table, rope.sin_table, positions, rope.rotary_dim)
         return q, k, v, gate
 
-    def output(self, o: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
-        """o [B, T, H, D] -> [B, T, hidden] through the sigmoid gate (if any) and o_proj."""
+    def output_gate(self, o: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+        """o [B, T, H, D] -> o_proj's input [B, T, H·D], through the sigmoid gate (if any)."""
         o = o.reshape(*o.shape[:2], -1)
-        if gate is not None:
-            o = sigmoid_gate(o, gate)
-        return linear(o, self.o_proj)
+        return o if gate is None else sigmoid_gate(o, gate)
 
     def forward(
         self,
@@ -79,16 +77,16 @@ class Attention(nn.Module):
         masked, so `kv_len` may be any static bound >= positions.max() + 1 (CUDA graphs use a bucket size).
         k_cache / v_cache: [B, S, Hkv, D]. A single new token on CUDA goes through `decode_attention`.
         """
-        if qkv.shape[1] == 1:
-            prefetch_weight(self.o_proj)
-        q, k, v, gate = self.project(qkv, positions, rope)
-        write_kv(k, v, positions, k_cache, v_cache)
-        keys, values = k_cache[:, :kv_len], v_cache[:, :kv_len]
-        if qkv.shape[1] == 1 and qkv.is_cuda:
-            o = decode_attention(q, k, v, keys, values, positions, self.scale)
-        else:
-            o = causal_cache_attention(q, keys, values, positions, self.scale)
-        return self.output(o, gate)
+        with ahead_of(self.o_proj, "mixer", qkv):
+            q, k, v, gate = self.project(qkv, positions, rope)
+            write_kv(k, v, positions, k_cache, v_cache)
+            keys, values = k_cache[:, :kv_len], v_cache[:, :kv_len]
+            if qkv.shape[1] == 1 and qkv.is_cuda:
+                o = decode_attention(q, k, v, keys, values, positions, self.scale)
+            else:
+                o = causal_cache_attention(q, keys, values, positions, self.scale)
+            o = self.output_gate(o, gate)
+        return linear(o, self.o_proj)
 
     def verify(
         self,
@@ -103,10 +101,10 @@ class Attention(nn.Module):
         """Tree nodes (their projections qkv [B, N, q|k|v]) at `positions` (L + depth) attend to the L cached
         keys plus their ancestors-and-self (`ancestors` bitsets [B, N, W]). The cache is only read; the nodes'
         K/V are returned for `commit`."""
-        prefetch_weight(self.o_proj)
-        q, k, v, gate = self.project(qkv, positions, rope)
-        o = verify_attention(q, k, v, k_cache, v_cache, cache_len, ancestors, self.scale)
-        return self.output(o, gate), (k, v)
+        with ahead_of(self.o_proj, "mixer", qkv):
+            q, k, v, gate = self.project(qkv, positions, rope)
+            o = self.output_gate(verify_attention(q, k, v, k_cache, v_cache, cache_len, ancestors, self.scale), gate)
+        return linear(o, self.o_proj), (k, v)
 
 
 @fuse_on_cuda

@@ -26,7 +26,7 @@ from dflash_tfm.layers.compile import fuse_on_cuda
 from dflash_tfm.layers.linear import linear
 from dflash_tfm.layers.measured_choice import MeasuredChoice
 from dflash_tfm.layers.norm import gated_rms_norm
-from dflash_tfm.layers.weight_prefetch import prefetch_weight
+from dflash_tfm.layers.weight_prefetch import ahead_of
 from dflash_tfm.layers.short_conv import causal_conv1d
 
 
@@ -118,10 +118,10 @@ class GatedDeltaNet(nn.Module):
         self.norm_weight = nn.Parameter(torch.empty(self.dv))
         self.out_proj = nn.Parameter(torch.empty(cfg.hidden_size, self.value_dim))
 
-    def output(self, o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        """o, z [B, T, HV, dv] -> [B, T, hidden]."""
+    def output_norm(self, o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """o, z [B, T, HV, dv] -> out_proj's input [B, T, HV·dv] (the gated norm)."""
         y = gated_rms_norm(o, z, self.norm_weight, self.eps)
-        return linear(y.reshape(*y.shape[:2], self.value_dim), self.out_proj)
+        return y.reshape(*y.shape[:2], self.value_dim)
 
     @property
     def in_weight(self) -> torch.Tensor:
@@ -134,10 +134,10 @@ class GatedDeltaNet(nn.Module):
         T == 1 runs one fused kernel from the projection to the gated norm (CUDA-graph safe); prefill runs the
         chunked kernel."""
         if proj.shape[1] == 1:
-            prefetch_weight(self.out_proj)
-            y = gdn_fused_decode(
-                proj, self.conv_weight, conv_window, self.A_log, self.dt_bias,
-                self.norm_weight, state, hk=self.hk, dk=self.dk, hv=self.hv, dv=self.dv, eps=self.eps)
+            with ahead_of(self.out_proj, "mixer", proj):
+                y = gdn_fused_decode(
+                    proj, self.conv_weight, conv_window, self.A_log, self.dt_bias,
+                    self.norm_weight, state, hk=self.hk, dk=self.dk, hv=self.hv, dv=self.dv, eps=self.eps)
             return linear(y, self.out_proj)
         q, k, v, z, beta, g, new_window = gdn_inputs(
             proj, self.conv_weight, conv_window, self.A_log, self.dt_bias,
@@ -145,7 +145,7 @@ class GatedDeltaNet(nn.Module):
         conv_window.copy_(new_window)
         o, final_state = gdn_prefill(q, k, v, g, beta, state)
         state.copy_(final_state)
-        return self.output(o, z)
+        return linear(self.output_norm(o, z), self.out_proj)
 
     def verify(
         self,
@@ -161,11 +161,12 @@ class GatedDeltaNet(nn.Module):
         from the committed state and conv window, which are only read. Returns what `commit` needs; `keep`
         (this layer's `GDNCommitStacks.layer` slices, chunk kernel) receives it in place."""
         keep_mixed, u_out, G_out = (None, None, None) if keep is None else keep
-        prefetch_weight(self.out_proj)
-        q, k, v, z, beta, g = self.tree_inputs(proj, parents, conv_window, keep_mixed)
-        o, ctx = gdn_tree_verify(q, k, v, g, beta, parents, state, kernel=kernel, ancestors=ancestors,
-                                 u_out=u_out, G_out=G_out)
-        return self.output(o, z), (proj[..., : self.conv_dim] if keep_mixed is None else keep_mixed, ctx)
+        with ahead_of(self.out_proj, "mixer", proj):
+            q, k, v, z, beta, g = self.tree_inputs(proj, parents, conv_window, keep_mixed)
+            o, ctx = gdn_tree_verify(q, k, v, g, beta, parents, state, kernel=kernel, ancestors=ancestors,
+                                     u_out=u_out, G_out=G_out)
+            y = self.output_norm(o, z)
+        return linear(y, self.out_proj), (proj[..., : self.conv_dim] if keep_mixed is None else keep_mixed, ctx)
 
     def tree_inputs(
         self, proj: torch.Tensor, parents: torch.Tensor, conv_window: torch.Tensor, keep_mixed: torch.Tensor | None,

@@ -1,10 +1,13 @@
-"""Warming L2 with the start of the projection that follows a latency-bound phase.
+"""Warming L2 with the start of the next projection's weight while the GPU does latency-bound work.
 
-A GDN layer's recurrence (the tree solve in verify, the fused kernel at decode) and an attention layer's
-attention leave HBM nearly idle for microseconds to tens of microseconds, and then out_proj / o_proj stream a
-weight larger than L2 (63 MB at Qwen3.6-27B). `prefetch_weight`, called by the mixer just before that phase,
-asks the copy engine for the weight's first `prefetch_bytes()` (`kernels/linear/l2_prefetch.py`), so the GEMM
-reads them from L2. It changes no value, only timing. The byte count is process-wide; 0 turns it off.
+A decode or tree-verify step alternates projections that stream a weight larger than L2 with phases that
+leave HBM nearly idle: a mixer's recurrence or attention ("mixer" windows: microseconds at decode, tens of
+them in a tree verify) and, between two projections, a norm or silu · mul of a few rows ("short" windows: a
+few µs with the kernel boundaries). `ahead_of(weight, window, x)` wraps such a phase: it forks a side stream
+that asks the copy engine for the weight's first bytes (`kernels/linear/l2_prefetch.py`) once the work
+enqueued before it (the previous projection, whose own streaming would evict them) is done, and joins it back
+when the phase ends, just before the projection. Nothing waits for the data, and no value changes; inside a
+CUDA graph the fork and join are edges. The bytes per window kind are process-wide; 0 turns a kind off.
 """
 from __future__ import annotations
 
@@ -15,28 +18,53 @@ import torch
 
 from dflash_tfm.kernels.linear.l2_prefetch import l2_prefetch
 
-DEFAULT_PREFETCH_BYTES = 0
-_nbytes = DEFAULT_PREFETCH_BYTES
+WINDOWS = ("mixer", "short")
+MAX_ROWS = 128  # phases of more rows (prefill chunks) are compute-bound GEMMs' neighbours: nothing to hide
+DEFAULT_BYTES = {"mixer": 0, "short": 0}  # off until timed on the GPU (docs/PERFORMANCE.md, issue 3)
+_bytes = dict(DEFAULT_BYTES)
+_side_streams: dict[int, torch.cuda.Stream] = {}
 
 
-def prefetch_bytes() -> int:
-    return _nbytes
+def prefetch_bytes() -> dict[str, int]:
+    """Bytes prefetched per window kind."""
+    return dict(_bytes)
 
 
 @contextmanager
-def prefetching(nbytes: int) -> Iterator[None]:
-    """Prefetch `nbytes` of each such weight inside this block (CUDA graphs keep what was captured)."""
-    global _nbytes
-    if nbytes < 0:
-        raise ValueError(f"prefetch bytes must be >= 0, got {nbytes}")
-    previous, _nbytes = _nbytes, nbytes
+def prefetching(mixer: int | None = None, short: int | None = None) -> Iterator[None]:
+    """Prefetch this many bytes in each kind of window inside this block (None keeps the current setting);
+    graphs captured inside keep what they captured."""
+    new = {name: _bytes[name] if n is None else n for name, n in zip(WINDOWS, (mixer, short))}
+    if min(new.values()) < 0:
+        raise ValueError(f"prefetch bytes must be >= 0, got {new}")
+    previous = dict(_bytes)
+    _bytes.update(new)
     try:
         yield
     finally:
-        _nbytes = previous
+        _bytes.update(previous)
 
 
-def prefetch_weight(weight: torch.Tensor) -> None:
-    """Ask for the first `prefetch_bytes()` of `weight` in L2 (a no-op when off or off CUDA)."""
-    if _nbytes and weight.is_cuda:
-        l2_prefetch(weight, _nbytes)
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _side_streams:
+        _side_streams[index] = torch.cuda.Stream(device=index)
+    return _side_streams[index]
+
+
+@contextmanager
+def ahead_of(weight: torch.Tensor, window: str, x: torch.Tensor) -> Iterator[None]:
+    """Run the block (a phase of the rows of ``x`` before ``linear(…, weight)``) while the start of ``weight``
+    is brought into L2. A plain block when the window kind is off, off CUDA, or for more than MAX_ROWS rows."""
+    nbytes = _bytes[window]
+    if not (nbytes and weight.is_cuda and x.numel() // x.shape[-1] <= MAX_ROWS):
+        yield
+        return
+    main, side = torch.cuda.current_stream(weight.device), _side_stream(weight.device)
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        l2_prefetch(weight, nbytes)
+    try:
+        yield
+    finally:
+        main.wait_stream(side)
