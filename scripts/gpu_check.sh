@@ -4,7 +4,7 @@
 #   device run:  bash scripts/gpu_check.sh            (carry: .whl with fla-core and gguf wheels)
 # Set GPU_CHECK_PARTS to a subset of "tests kernels tree prefetch ar verify draft spec projections profile
 # profile_verify train" to run only those parts, GPU_TESTS to test paths, VERIFY_NS to the verify step's tree
-# sizes. All parts take longer than one 10-minute device call: e.g. "tests" in one call, "ar verify spec
+# sizes, VERIFY_PREFETCH to its L2 prefetch settings (MIXER:SHORT MiB, one run each). All parts take longer than one 10-minute device call: e.g. "tests" in one call, "ar verify spec
 # profile" in the next (the first call of each process also times the measured kernel choices).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -37,7 +37,8 @@ has tree && run bench_tree_kernels python3 -m benchmarks.bench_tree_kernels
 has prefetch && run bench_l2_prefetch python3 -m benchmarks.bench_l2_prefetch
 has prefetch && run bench_l2_prefetch_ar python3 -m benchmarks.bench_l2_prefetch --rows 1
 has ar && run bench_ar_decode python3 -m benchmarks.bench_ar_decode --out "$OUT/ar_decode.json"
-has verify && run bench_verify_step python3 -m benchmarks.bench_verify_step --ns ${VERIFY_NS:-1 16 65 129} --out "$OUT/verify_step.json"
+has verify && run bench_verify_step python3 -m benchmarks.bench_verify_step --ns ${VERIFY_NS:-1 16 65 129} \
+  ${VERIFY_PREFETCH:+--prefetch $VERIFY_PREFETCH} --out "$OUT/verify_step.json"
 has draft && run bench_dflash_draft python3 -m benchmarks.bench_dflash_draft --profile
 # The tree build first: it is the shorter of the two "spec" parts, and a call cut by its time limit still
 # returns what ran.
