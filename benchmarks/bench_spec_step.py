@@ -34,7 +34,7 @@ from dflash_tfm.kernels.gdn.tree_commit import fold_choice
 from dflash_tfm.kernels.tree_growth.weaver_round import publish_choice, rescore_choice
 from dflash_tfm.kernels.tree_growth.weaver_step import rows_matmul_choice
 from dflash_tfm.layers.attention import verify_attention_choice
-from dflash_tfm.layers.gated_deltanet import gdn_tree_inputs_choice
+from dflash_tfm.layers.gated_deltanet import gdn_verify_path_choice
 from dflash_tfm.layers.linear import projection_choice, skinny_projections
 from dflash_tfm.layers.norm import add_norm_rows_choice
 from dflash_tfm.loading.loader import build_model
@@ -155,7 +155,7 @@ def main() -> None:
                    fused_step_row_matmul=rows_matmul_choice, rescore_pool=rescore_choice,
                    publish_children=publish_choice, draft_attention=block_attention_choice,
                    gdn_fold=fold_choice, verify_attention=verify_attention_choice,
-                   gdn_tree_inputs=gdn_tree_inputs_choice, add_norm_rows=add_norm_rows_choice)
+                   gdn_verify_path=gdn_verify_path_choice, add_norm_rows=add_norm_rows_choice)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=2)

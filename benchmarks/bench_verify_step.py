@@ -21,7 +21,7 @@ from benchmarks.timing import capture, report_choices, time_ms
 from dflash_tfm.config import ModelConfig
 from dflash_tfm.engine.model_runner import ModelRunner
 from dflash_tfm.layers.attention import decode_attention_choice, verify_attention_choice
-from dflash_tfm.layers.gated_deltanet import gdn_tree_inputs_choice
+from dflash_tfm.layers.gated_deltanet import gdn_verify_path_choice
 from dflash_tfm.layers.linear import projection_choice, skinny_projections
 from dflash_tfm.layers.norm import add_norm_rows_choice
 from dflash_tfm.layers.weight_prefetch import prefetch_bytes, prefetching
@@ -110,7 +110,7 @@ def main() -> None:
         for n, r in run["verify"].items():
             print(f"| {n} | {r['verify_ms']:.2f} | {r['verify_ms'] / run['ar_step_ms']:.2f}x | {r['commit_ms']:.3f} |")
     report_choices(results, projections=projection_choice, decode_attention=decode_attention_choice,
-                   verify_attention=verify_attention_choice, gdn_tree_inputs=gdn_tree_inputs_choice,
+                   verify_attention=verify_attention_choice, gdn_verify_path=gdn_verify_path_choice,
                    add_norm_rows=add_norm_rows_choice)
     if args.out:
         with open(args.out, "w") as f:

@@ -66,11 +66,13 @@ def test_graph_decode_matches_full_prefill(target, prefetch: int) -> None:
 
 
 @pytest.mark.parametrize("paths", [("unfused", "tree_kernel", 0), ("fused", "tree_kernel s1", 0),
-                                   ("fused", "tree_kernel", 1 << 20)], ids=["unfused", "fused-s1", "l2-prefetch"])
+                                   ("front", "tree_kernel s4 ts", 0), ("fused", "tree_kernel", 1 << 20)],
+                         ids=["unfused", "fused-s1", "front-tree-split", "l2-prefetch"])
 def test_triton_verify_and_commit_match_plain_decoding(target, paths, monkeypatch) -> None:
-    """Both GDN verify-input paths and both split modes of the tree attention (forced), and the L2 prefetch of
-    every projection after a mixer or a small op (paths[2] bytes)."""
-    monkeypatch.setattr(gated_deltanet.gdn_tree_inputs_choice, "choices", Always(paths[0]))
+    """The GDN verify paths (inputs unfused, fused, or with the Gram tiles in one launch) and split modes of the
+    tree attention (forced), and the L2 prefetch of every projection after a mixer or a small op (paths[2]
+    bytes)."""
+    monkeypatch.setattr(gated_deltanet.gdn_verify_path_choice, "choices", Always(paths[0]))
     monkeypatch.setattr(attention.verify_attention_choice, "choices", Always(paths[1]))
     with prefetching(mixer=paths[2], short=paths[2]):
         check_verify_and_commit(target)

@@ -19,6 +19,7 @@ from dflash_tfm.kernels.conv.tree_conv import tree_causal_conv1d, tree_conv_comm
 from dflash_tfm.kernels.gdn.fused_decode import gdn_fused_decode
 from dflash_tfm.kernels.gdn.prefill import gdn_prefill
 from dflash_tfm.kernels.gdn.tree_commit import gdn_tree_commit
+from dflash_tfm.kernels.gdn.tree_front import gdn_tree_front
 from dflash_tfm.kernels.gdn.tree_inputs import gdn_tree_inputs
 from dflash_tfm.kernels.gdn.tree_reference import GDNTreeContext
 from dflash_tfm.kernels.gdn.tree_verify import gdn_tree_verify
@@ -60,7 +61,8 @@ def split_heads(conv_out: torch.Tensor, hk: int, dk: int, hv: int, dv: int) -> t
 # The unfused verify inputs run the tree conv kernel between these two steps, so each is fused on its own there.
 fused_split_projection = fuse_on_cuda(split_projection)
 fused_split_heads = fuse_on_cuda(split_heads)
-gdn_tree_inputs_choice = MeasuredChoice(default="unfused")
+# How a verify gets from in_proj's output to the tree solve's output (`GatedDeltaNet.tree_solve`): timed whole.
+gdn_verify_path_choice = MeasuredChoice(default="unfused")
 
 
 @fuse_on_cuda
@@ -162,30 +164,42 @@ class GatedDeltaNet(nn.Module):
         (this layer's `GDNCommitStacks.layer` slices, chunk kernel) receives it in place."""
         keep_mixed, u_out, G_out = (None, None, None) if keep is None else keep
         with ahead_of(self.out_proj, "mixer", proj):
-            q, k, v, z, beta, g = self.tree_inputs(proj, parents, conv_window, keep_mixed)
-            o, ctx = gdn_tree_verify(q, k, v, g, beta, parents, state, kernel=kernel, ancestors=ancestors,
-                                     u_out=u_out, G_out=G_out)
+            o, z, ctx = self.tree_solve(proj, state, conv_window, parents, ancestors, kernel, keep_mixed, u_out, G_out)
             y = self.output_norm(o, z)
         return linear(y, self.out_proj), (proj[..., : self.conv_dim] if keep_mixed is None else keep_mixed, ctx)
 
-    def tree_inputs(
-        self, proj: torch.Tensor, parents: torch.Tensor, conv_window: torch.Tensor, keep_mixed: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, ...]:
-        """(q, k, v, z, beta, g) of the tree nodes: three kernels (β/g, tree conv, q/k norm) or the one-launch
-        `gdn_tree_inputs`, whichever measured faster for the shape (`gdn_tree_inputs_choice`)."""
-        def unfused() -> tuple[torch.Tensor, ...]:
+    def tree_solve(
+        self, proj: torch.Tensor, state: torch.Tensor, conv_window: torch.Tensor, parents: torch.Tensor,
+        ancestors: torch.Tensor, kernel: str, keep_mixed: torch.Tensor | None, u_out: torch.Tensor | None,
+        G_out: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, GDNTreeContext]:
+        """(o, z, commit context) of the tree nodes, by whichever path measured fastest for the shape
+        (`gdn_verify_path_choice`, each timed from in_proj's output to the solve's): the inputs as three kernels
+        (β/g, tree conv, q/k norm) or one (`gdn_tree_inputs`), then `gdn_tree_verify`; or, for the chunk kernel,
+        the inputs with the solve's Gram tiles in one launch (`gdn_tree_front`) and the rest of the solve."""
+        def solve(q, k, v, z, beta, g, gram=None) -> tuple[torch.Tensor, torch.Tensor, GDNTreeContext]:
+            o, ctx = gdn_tree_verify(q, k, v, g, beta, parents, state, kernel=kernel, ancestors=ancestors,
+                                     u_out=u_out, G_out=G_out, gram=gram)
+            return o, z, ctx
+
+        def unfused() -> tuple[torch.Tensor, torch.Tensor, GDNTreeContext]:
             mixed, z, beta, g = fused_split_projection(
                 proj, self.A_log, self.dt_bias, self.conv_dim, self.hv, self.dv)
             conv_out = tree_causal_conv1d(mixed, self.conv_weight, parents, conv_window, keep_input=keep_mixed)
-            return (*fused_split_heads(conv_out, self.hk, self.dk, self.hv, self.dv), z, beta, g)
+            return solve(*fused_split_heads(conv_out, self.hk, self.dk, self.hv, self.dv), z, beta, g)
 
-        def fused() -> tuple[torch.Tensor, ...]:
-            return gdn_tree_inputs(proj, self.conv_weight, self.A_log, self.dt_bias, parents, conv_window,
-                                   self.hk, self.dk, self.hv, self.dv, keep_input=keep_mixed)
+        def fused() -> tuple[torch.Tensor, torch.Tensor, GDNTreeContext]:
+            return solve(*gdn_tree_inputs(proj, self.conv_weight, self.A_log, self.dt_bias, parents, conv_window,
+                                          self.hk, self.dk, self.hv, self.dv, keep_input=keep_mixed))
 
-        key = (*proj.shape, proj.dtype, self.hk, self.dk, self.hv, self.dv)
-        name = gdn_tree_inputs_choice.pick(key, lambda: {"unfused": unfused, "fused": fused}, can_time=proj.is_cuda)
-        return fused() if name == "fused" else unfused()
+        def front() -> tuple[torch.Tensor, torch.Tensor, GDNTreeContext]:
+            return solve(*gdn_tree_front(proj, self.conv_weight, self.A_log, self.dt_bias, parents, conv_window,
+                                         ancestors, self.hk, self.dk, self.hv, self.dv, keep_input=keep_mixed,
+                                         G_out=G_out))
+
+        paths = {"unfused": unfused, "fused": fused} | ({"front": front} if kernel == "chunk" else {})
+        key = (*proj.shape, proj.dtype, self.hk, self.dk, self.hv, self.dv, kernel)
+        return paths[gdn_verify_path_choice.pick(key, lambda: paths, can_time=proj.is_cuda)]()
 
     @staticmethod
     def commit(

@@ -36,21 +36,22 @@ def _input_at(x, window, b, a, offs_c, cm, sx_b, sx_n, sw_b, sw_c):
 
 @triton.jit
 def tree_conv_row(
-    x, weight, parents, window, keep, b, i, N, C, offs_c, cm, sx_b, sx_n, sw_b, sw_c, swt_c,
-    BC: tl.constexpr, KEEP: tl.constexpr,
+    x, weight, parents, window, keep, b, i, N, C, offs_c, cm, keep_mask, sx_b, sx_n, sw_b, sw_c, swt_c,
+    KEEP: tl.constexpr,
 ):
     """fp32 ``Σ_t w[:, 3−t] · x_{anc_t(i)}`` (no activation) of node i's channels offs_c, following the parent
-    pointers three steps up and on into the window; KEEP also stores the node's own input into the contiguous
-    ``keep [B, N, C]``."""
+    pointers three steps up and on into the window: i a node with offs_c ``[BC]``, or rows i ``[BT, 1]`` (each
+    < N) with offs_c ``[1, BC]`` for a ``[BT, BC]`` tile; cm masks the loads. KEEP also stores the nodes' own
+    inputs into the contiguous ``keep [B, N, C]`` where keep_mask."""
+    x_t = _input_at(x, window, b, i, offs_c, cm, sx_b, sx_n, sw_b, sw_c)  # t = 0: the node itself
+    if KEEP:
+        tl.store(keep + (b * N + i) * C + offs_c, x_t.to(keep.dtype.element_ty), mask=keep_mask)
+    acc = tl.load(weight + offs_c * swt_c + 3, mask=offs_c < C, other=0.0).to(tl.float32) * x_t
     a = i  # chain index: node, then ancestors, then window slots
-    acc = tl.zeros([BC], dtype=tl.float32)
-    for t in tl.static_range(4):  # t = 0 is the node itself; weight column 3 − t
-        w_t = tl.load(weight + offs_c * swt_c + (3 - t), mask=cm, other=0.0).to(tl.float32)
-        x_t = _input_at(x, window, b, a, offs_c, cm, sx_b, sx_n, sw_b, sw_c)
-        if KEEP and t == 0:
-            tl.store(keep + (b * N + i) * C + offs_c, x_t.to(keep.dtype.element_ty), mask=cm)
-        acc += w_t * x_t
+    for t in tl.static_range(1, 4):  # weight column 3 − t
         a = _up(parents, b, N, a)
+        w_t = tl.load(weight + offs_c * swt_c + (3 - t), mask=offs_c < C, other=0.0).to(tl.float32)
+        acc += w_t * _input_at(x, window, b, a, offs_c, cm, sx_b, sx_n, sw_b, sw_c)
     return acc
 
 
@@ -66,8 +67,8 @@ def _tree_conv_kernel(
     i = tl.program_id(1) % N
     offs_c = tl.program_id(0) * BC + tl.arange(0, BC)
     cm = offs_c < C
-    acc = tree_conv_row(x, weight, parents, window, keep, b, i, N, C, offs_c, cm, sx_b, sx_n, sw_b, sw_c, swt_c,
-                        BC, KEEP)
+    acc = tree_conv_row(x, weight, parents, window, keep, b, i, N, C, offs_c, cm, cm, sx_b, sx_n, sw_b, sw_c, swt_c,
+                        KEEP)
     if SILU:
         acc = acc * tl.sigmoid(acc)
     tl.store(y + b * sy_b + i * sy_n + offs_c, acc.to(y.dtype.element_ty), mask=cm)

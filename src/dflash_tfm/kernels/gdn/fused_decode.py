@@ -105,15 +105,19 @@ def _l2_normalize(x, dt: tl.constexpr):
 
 
 @triton.jit
-def gdn_gates(b, a, dt_bias, a_log, dt: tl.constexpr):
-    """fp32 in, fp32 out: β = σ(b) rounded to dt (as torch.sigmoid on a dt tensor) and
-    g = −e^A_log · softplus(a + dt_bias) (``split_projection``)."""
-    beta = round_to(tl.sigmoid(b), dt)
+def gdn_decay(a, dt_bias, a_log):
+    """fp32 in, fp32 out: g = −e^A_log · softplus(a + dt_bias) (``split_projection``)."""
     x = a + dt_bias
     e = tl.exp(tl.minimum(x, 20.0))  # F.softplus: x above its threshold 20, else log1p(e^x)
     u1 = 1.0 + e
     log1p_e = tl.where(u1 == 1.0, e, tl.log(u1) * (e / tl.where(u1 == 1.0, 1.0, u1 - 1.0)))  # accurate log1p
-    return beta, -tl.exp(a_log) * tl.where(x > 20.0, x, log1p_e)
+    return -tl.exp(a_log) * tl.where(x > 20.0, x, log1p_e)
+
+
+@triton.jit
+def gdn_gates(b, a, dt_bias, a_log, dt: tl.constexpr):
+    """fp32 in, fp32 out: β = σ(b) rounded to dt (as torch.sigmoid on a dt tensor) and g (`gdn_decay`)."""
+    return round_to(tl.sigmoid(b), dt), gdn_decay(a, dt_bias, a_log)
 
 
 @triton.jit

@@ -26,29 +26,34 @@ MAX_BLOCK = 1024  # channels per program
 
 
 @triton.jit
-def _gdn_tree_inputs_kernel(
-    proj, weight, parents, window, a_log, dt_bias, y, keep, beta, g,
+def l2_normalize_rows(x, dt: tl.constexpr):
+    """Rows of the fp32 tile ``x [R, DK]`` times ``rsqrt(Σx² + 1e-6)`` (gated_deltanet.l2_normalize), rounded
+    to dt, as fp32."""
+    return round_to(x * tl.rsqrt(tl.sum(x * x, axis=1) + 1e-6)[:, None], dt)
+
+
+@triton.jit
+def node_inputs(
+    proj, weight, parents, window, a_log, dt_bias, y, keep, beta, g, b, i, c0,
     N, sp_b, sp_n, sw_b, sw_c, swt_c,
     C: tl.constexpr, QK: tl.constexpr, VD: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr,
     BC: tl.constexpr, HVP: tl.constexpr, KEEP: tl.constexpr,
 ):
-    """Grid (cdiv(C, BC) + 1, B·N). proj: [B, N, C + VD + 2·HV] (unit last stride); y, keep: [B, N, C]
-    contiguous; beta, g: [B, N, HV] fp32 contiguous. Channels below QK are q and k (normalised per DK)."""
-    cb = tl.program_id(0)
-    b = tl.program_id(1) // N
-    i = tl.program_id(1) % N
+    """Node i's verify inputs for channels c0 … c0 + BC (c0 < C: tree conv + SiLU, q/k groups normalised per
+    DK) or, for c0 ≥ C, its β and g. proj: [B, N, C + VD + 2·HV] (unit last stride); y, keep: [B, N, C]
+    contiguous; beta, g: [B, N, HV] fp32 contiguous. Channels below QK are q and k."""
     dt: tl.constexpr = proj.dtype.element_ty
-    if cb * BC < C:
-        offs_c = cb * BC + tl.arange(0, BC)
+    if c0 < C:
+        offs_c = c0 + tl.arange(0, BC)
         cm = offs_c < C
-        acc = tree_conv_row(proj, weight, parents, window, keep, b, i, N, C, offs_c, cm, sp_b, sp_n, sw_b, sw_c,
-                            swt_c, BC, KEEP)
+        acc = tree_conv_row(proj, weight, parents, window, keep, b, i, N, C, offs_c, cm, cm, sp_b, sp_n, sw_b, sw_c,
+                            swt_c, KEEP)
         out = round_to(acc * tl.sigmoid(acc), dt)
-        if cb * BC < QK:  # q/k groups in this block: x · rsqrt(Σx² + 1e-6) per dk channels
+        if c0 < QK:  # q/k groups in this block (the ones from QK on are v channels: left as they are)
             groups = tl.reshape(out, [BC // DK, DK])
-            first = cb * BC + tl.arange(0, BC // DK) * DK
-            inv = tl.where(first < QK, tl.rsqrt(tl.sum(groups * groups, axis=1) + 1e-6), 1.0)
-            out = round_to(tl.reshape(groups * inv[:, None], [BC]), dt)
+            normed = l2_normalize_rows(groups, dt)
+            first = c0 + tl.arange(0, BC // DK) * DK
+            out = tl.reshape(tl.where((first < QK)[:, None], normed, groups), [BC])
         tl.store(y + (b * N + i) * C + offs_c, out.to(dt), mask=cm)
     else:
         heads = tl.arange(0, HVP)
@@ -61,6 +66,19 @@ def _gdn_tree_inputs_kernel(
         beta_i, g_i = gdn_gates(b_raw, a_raw, bias, decay, dt)
         tl.store(beta + (b * N + i) * HV + heads, beta_i, mask=hm)
         tl.store(g + (b * N + i) * HV + heads, g_i, mask=hm)
+
+
+@triton.jit
+def _gdn_tree_inputs_kernel(
+    proj, weight, parents, window, a_log, dt_bias, y, keep, beta, g,
+    N, sp_b, sp_n, sw_b, sw_c, swt_c,
+    C: tl.constexpr, QK: tl.constexpr, VD: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr,
+    BC: tl.constexpr, HVP: tl.constexpr, KEEP: tl.constexpr,
+):
+    """Grid (cdiv(C, BC) + 1, B·N): `node_inputs` of channel block program_id(0) (the last: β, g)."""
+    node_inputs(proj, weight, parents, window, a_log, dt_bias, y, keep, beta, g,
+                tl.program_id(1) // N, tl.program_id(1) % N, tl.program_id(0) * BC, N, sp_b, sp_n, sw_b, sw_c, swt_c,
+                C, QK, VD, HV, DK, BC, HVP, KEEP)
 
 
 def gdn_tree_inputs_reference(
@@ -78,6 +96,22 @@ def gdn_tree_inputs_reference(
     return (*split_heads(conv_out, hk, dk, hv, dv), z, beta, g)
 
 
+def check_tree_inputs_args(
+    proj: torch.Tensor, conv_weight: torch.Tensor, parents: torch.Tensor, conv_window: torch.Tensor, hk: int,
+    dk: int, hv: int, dv: int, keep_input: torch.Tensor | None,
+) -> tuple[int, int, int]:
+    """Validate a layer's verify-input arguments (no host sync); returns (B, N, conv_dim)."""
+    conv_dim, value_dim = 2 * hk * dk + hv * dv, hv * dv
+    if proj.dim() != 3 or proj.shape[-1] != conv_dim + value_dim + 2 * hv:
+        raise ValueError(f"proj must be [B, N, {conv_dim + value_dim + 2 * hv}], got {tuple(proj.shape)}")
+    B, N, C = check_tree_conv_inputs(proj[..., :conv_dim], parents, conv_window)
+    if tuple(conv_weight.shape) != (C, WIDTH):
+        raise ValueError(f"conv_weight must be [{C}, {WIDTH}], got {tuple(conv_weight.shape)}")
+    if keep_input is not None and (tuple(keep_input.shape) != (B, N, C) or not keep_input.is_contiguous()):
+        raise ValueError(f"keep_input must be a contiguous {(B, N, C)} tensor, got {tuple(keep_input.shape)}")
+    return B, N, C
+
+
 def fusable(dk: int, conv_dim: int) -> bool:
     """The kernel's layout needs dk a power of two dividing its channel block."""
     return dk & (dk - 1) == 0 and dk <= min(MAX_BLOCK, triton.next_power_of_2(conv_dim))
@@ -93,14 +127,8 @@ def gdn_tree_inputs(
     L2-normalised), v ``[B, N, hv, dv]``, z ``[B, N, hv, dv]`` (a view of proj), beta and g ``[B, N, hv]`` fp32.
     ``keep_input`` (contiguous ``[B, N, conv_dim]``) also receives the conv inputs, for the commit. The window is
     only read. CPU tensors without the interpreter, or a dk the kernel cannot tile, run the reference."""
-    conv_dim, value_dim = 2 * hk * dk + hv * dv, hv * dv
-    if proj.dim() != 3 or proj.shape[-1] != conv_dim + value_dim + 2 * hv:
-        raise ValueError(f"proj must be [B, N, {conv_dim + value_dim + 2 * hv}], got {tuple(proj.shape)}")
-    B, N, C = check_tree_conv_inputs(proj[..., :conv_dim], parents, conv_window)
-    if tuple(conv_weight.shape) != (C, WIDTH):
-        raise ValueError(f"conv_weight must be [{C}, {WIDTH}], got {tuple(conv_weight.shape)}")
-    if keep_input is not None and (tuple(keep_input.shape) != (B, N, C) or not keep_input.is_contiguous()):
-        raise ValueError(f"keep_input must be a contiguous {(B, N, C)} tensor, got {tuple(keep_input.shape)}")
+    B, N, C = check_tree_inputs_args(proj, conv_weight, parents, conv_window, hk, dk, hv, dv, keep_input)
+    value_dim = hv * dv
     if not use_triton(proj) or not fusable(dk, C):
         return gdn_tree_inputs_reference(proj, conv_weight, A_log, dt_bias, parents, conv_window, hk, dk, hv, dv,
                                          keep_input)

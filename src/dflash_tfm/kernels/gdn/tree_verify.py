@@ -50,7 +50,13 @@ import triton
 import triton.language as tl
 
 from dflash_tfm.kernels import TRITON_INTERPRETED, use_triton
-from dflash_tfm.kernels.gdn.tree_reference import GDNTreeContext, check_gdn_tree_inputs, gdn_tree_verify_reference
+from dflash_tfm.kernels.gdn.fused_decode import gdn_decay
+from dflash_tfm.kernels.gdn.tree_reference import (
+    GDNTreeContext,
+    GramTiles,
+    check_gdn_tree_inputs,
+    gdn_tree_verify_reference,
+)
 from dflash_tfm.spec.tree import ancestor_bitsets
 
 PRECISIONS = ("ieee", "tf32", "tf32x3")
@@ -80,6 +86,20 @@ def _gram_tiles(q_i, k_i, k_j, scale, PREC: tl.constexpr, NATIVE: tl.constexpr):
     return kk, qk * scale
 
 
+@triton.jit
+def store_gram_tile(kk, qk, bits, q_i, k_i, k_j, rows, j, bh, N, W, NP, scale, BT: tl.constexpr,
+                    PREC: tl.constexpr, NATIVE: tl.constexpr):
+    """Tile (row block ``rows``, column block j) of key head bh's Gram matrices [NP, NP]: K·Kᵀ on strict
+    ancestors and scale·Q·Kᵀ on ancestors-and-self, zero elsewhere (bits: this batch entry's bitsets)."""
+    cols = j * BT + tl.arange(0, BT)
+    anc = _ancestor_tile(bits, rows, j * BT, N, W, BT)
+    strict = anc & (rows[:, None] != cols[None, :])
+    kk_ij, qk_ij = _gram_tiles(q_i, k_i, k_j, scale, PREC, NATIVE)
+    tile = bh * NP * NP + rows[:, None] * NP + cols[None, :]
+    tl.store(kk + tile, tl.where(strict, kk_ij, 0.0))
+    tl.store(qk + tile, tl.where(anc, qk_ij, 0.0))
+
+
 @triton.jit(do_not_specialize=["N", "W"])  # one compile for every tree size
 def _gdn_tree_gram_kernel(
     q, k, g, bits, kk, qk, G,
@@ -101,8 +121,6 @@ def _gdn_tree_gram_kernel(
     k_i = tl.load(k + b * sk_b + rows[:, None] * sk_n + h * sk_h + offs_k[None, :], mask=ld, other=0.0)
     if not NATIVE:
         q_i, k_i = q_i.to(tl.float32), k_i.to(tl.float32)
-    gram = kk + (b * HK + h) * NP * NP + rows[:, None] * NP
-    qgram = qk + (b * HK + h) * NP * NP + rows[:, None] * NP
     if PAIRS:
         j_lo = tl.program_id(2)
         j_hi = tl.minimum(j_lo + 1, i + 1)  # empty above the diagonal
@@ -113,21 +131,20 @@ def _gdn_tree_gram_kernel(
         cols = j * BT + tl.arange(0, BT)
         ldj = (cols[:, None] < N) & (offs_k[None, :] < DK)
         k_j = tl.load(k + b * sk_b + cols[:, None] * sk_n + h * sk_h + offs_k[None, :], mask=ldj, other=0.0)
-        anc = _ancestor_tile(bits + b * N * W, rows, j * BT, N, W, BT)
-        strict = anc & (rows[:, None] != cols[None, :])
-        kk_ij, qk_ij = _gram_tiles(q_i, k_i, k_j, scale, PREC, NATIVE)
-        tl.store(gram + cols[None, :], tl.where(strict, kk_ij, 0.0))
-        tl.store(qgram + cols[None, :], tl.where(anc, qk_ij, 0.0))
+        store_gram_tile(kk, qk, bits + b * N * W, q_i, k_i, k_j, rows, j, b * HK + h, N, W, NP, scale, BT, PREC,
+                        NATIVE)
     if j_lo == 0:  # G of this row block's value heads (with PAIRS: in its column-block-0 program)
-        _path_decay_rows(g, bits + b * N * W, G + b * N * HK * R, rows, N, W, h * R, R, HK * R, b * sg_b, sg_n, sg_h,
-                         RP)
+        path_decay_rows(g, bits + b * N * W, G + b * N * HK * R, rows, N, W, h * R, R, HK * R, b * sg_b, sg_n, sg_h,
+                        g, g, RP, False)
 
 
 @triton.jit
-def _path_decay_rows(g, bits, G, rows, N, W, h0, R, HV, g_off, sg_n, sg_h, RP: tl.constexpr):
+def path_decay_rows(g, bits, G, rows, N, W, h0, R, HV, g_off, sg_n, sg_h, a_log, dt_bias, RP: tl.constexpr,
+                    FROM_A: tl.constexpr):
     """G[rows, h0 + r] = Σ_{m ∈ anc⁺(row)} g[m, h0 + r] for r < R, one bitset word (64 nodes) per step: each
     step is one 0/1-masked dot ([rows, 64] · [64, heads], fp32 FMA), so there is no serial chain of loads per
-    column block. G: [N, HV] of one batch entry; RP ≥ 16 (a dot's width) covers R."""
+    column block. G: [N, HV] of one batch entry; RP ≥ 16 (a dot's width) covers R. FROM_A: ``g`` points at the
+    raw ``a`` projections instead, turned into g here (`gdn_decay` with ``a_log``, ``dt_bias`` [HV])."""
     heads = h0 + tl.arange(0, RP)
     hmask = tl.arange(0, RP) < R
     offs = tl.arange(0, 64)
@@ -136,8 +153,12 @@ def _path_decay_rows(g, bits, G, rows, N, W, h0, R, HV, g_off, sg_n, sg_h, RP: t
         cols = w * 64 + offs
         word = tl.load(bits + rows * W + w, mask=rows < N, other=0)
         anc = ((word[:, None] >> offs.to(tl.int64)[None, :]) & 1).to(tl.float32)
-        g_w = tl.load(g + g_off + cols[:, None] * sg_n + heads[None, :] * sg_h,
-                      mask=(cols[:, None] < N) & hmask[None, :], other=0.0).to(tl.float32)
+        gm = (cols[:, None] < N) & hmask[None, :]
+        g_w = tl.load(g + g_off + cols[:, None] * sg_n + heads[None, :] * sg_h, mask=gm, other=0.0).to(tl.float32)
+        if FROM_A:
+            bias = tl.load(dt_bias + heads, mask=hmask, other=0.0).to(tl.float32)
+            decay = tl.load(a_log + heads, mask=hmask, other=0.0).to(tl.float32)
+            g_w = tl.where(gm, gdn_decay(g_w, bias[None, :], decay[None, :]), 0.0)
         G_i += tl.dot(anc, g_w, input_precision="ieee")
     tl.store(G + rows[:, None] * HV + heads[None, :], G_i, mask=(rows[:, None] < N) & hmask[None, :])
 
@@ -460,7 +481,7 @@ def gdn_tree_verify(
     precision: str = "tf32", solve_precision: str | None = None, block_v: int | None = 32,
     num_warps: int | None = None, num_stages: int | None = 1, gram_pairs: bool = True,
     state_block_v: int = 64, solve_width: int | None = None, fuse_gram: bool = False, gram_native: bool = True,
-    u_out: torch.Tensor | None = None, G_out: torch.Tensor | None = None,
+    u_out: torch.Tensor | None = None, G_out: torch.Tensor | None = None, gram: GramTiles | None = None,
 ) -> tuple[torch.Tensor, GDNTreeContext]:
     """Outputs of all N tree nodes of one GDN layer from the committed state; writes no state.
 
@@ -491,6 +512,10 @@ def gdn_tree_verify(
     ``u_out`` / ``G_out`` (chunk kernel, both or neither; contiguous fp32 ``[B, N, HV, dv]`` / ``[B, N, HV]``)
     receive the context's solved rows and path decays instead of new tensors: slices of layer-stacked
     buffers let the model's commit fold every layer in one launch without stacking copies.
+
+    ``gram``: the Gram tiles and path decays of these q, k, g already made (`tree_front.gdn_tree_front`, same
+    ``block_size``), so the chunk kernel skips its Gram launch; G is then ``gram.G`` (``G_out``, if given, must
+    be that tensor).
     """
     B, N, HK, HV, R, dk, dv = check_gdn_tree_inputs(q, k, v, g, beta, parents, initial_state)
     if solve_precision is None:
@@ -515,6 +540,15 @@ def gdn_tree_verify(
         raise ValueError(f"solve_width must be a power-of-2 multiple of block_size, got {solve_width}")
     if fuse_gram and solve != "split":
         raise ValueError("fuse_gram needs solve='split'")
+    if gram is not None:
+        NP = -(-N // block_size) * block_size
+        if kernel != "chunk" or fuse_gram:
+            raise ValueError("gram tiles serve the chunk kernel's Gram step (not the recurrent one, not fuse_gram)")
+        if tuple(gram.kk.shape) != (B, HK, NP, NP) or gram.qk.shape != gram.kk.shape:
+            raise ValueError(f"gram tiles must be [{B}, {HK}, {NP}, {NP}] for block_size {block_size}, got "
+                             f"{tuple(gram.kk.shape)}, {tuple(gram.qk.shape)}")
+        if G_out is not None and G_out.data_ptr() != gram.G.data_ptr():
+            raise ValueError("with gram, G_out must be gram.G (the front wrote the path decays there)")
     if (u_out is None) != (G_out is None) or (u_out is not None and kernel != "chunk"):
         raise ValueError("u_out and G_out come together, for the chunk kernel (the recurrent one keeps snapshots)")
     for name, buf, shape in (("u_out", u_out, (B, N, HV, dv)), ("G_out", G_out, (B, N, HV))):
@@ -547,13 +581,16 @@ def gdn_tree_verify(
     launch = {"num_warps": warps if num_warps is None else num_warps}
     if num_stages is not None:
         launch["num_stages"] = num_stages
-    G = torch.empty(B, N, HV, dtype=torch.float32, device=q.device) if G_out is None else G_out
+    G = gram.G if gram is not None else G_out
+    G = torch.empty(B, N, HV, dtype=torch.float32, device=q.device) if G is None else G
     u = torch.empty(B, N, HV, dv, dtype=torch.float32, device=q.device) if u_out is None else u_out
     ctx = GDNTreeContext(initial_state=initial_state, k=k, u=u, G=G)
     # Triton's CPU interpreter gets 16-bit dots wrong (garbage, not rounding): there the Gram tiles stay fp32
     native = (gram_native and not TRITON_INTERPRETED and q.dtype in (torch.bfloat16, torch.float16)
               and k.dtype == q.dtype)
-    if not fuse_gram:
+    if gram is not None:
+        kk, qk = gram.kk, gram.qk
+    elif not fuse_gram:
         kk = torch.empty(B, HK, NP, NP, dtype=torch.float32, device=q.device)
         qk = torch.empty_like(kk)
         _gdn_tree_gram_kernel[(nb, B * HK, nb) if gram_pairs else (nb, B * HK)](
