@@ -4,7 +4,8 @@ GDN: ``gdn_tree_verify`` chunk (row blocks 16/32) vs the recurrent baseline (sta
 N = 16, 32, 65, 129 best-first tree tokens, and the fold commit. Each measurement is one CUDA graph holding the
 call for all 48 GDN layers, each layer with its own 3 MiB fp32 state (more than L2), so the time has the
 state traffic of a real verify step and no launch overhead; reported as the median µs per layer. The
-ancestor bitsets are built once per step outside the timed region, as the engine does. Also: tree attention
+ancestor bitsets are built once per step outside the timed region, as the engine does. Then the verify from
+in_proj's output: verify inputs + solve against the one-launch front (inputs + Gram tiles) + solve. Also: tree attention
 (24 q / 4 kv heads, head_dim 256, cache 4096, 16 attention layers) and the tree conv (C = 10240) at N = 65.
 Prints markdown tables; the KERNELS.md target is ≤ 45 µs per GDN layer at N = 65.
 
@@ -33,6 +34,8 @@ from triton.testing import do_bench
 from benchmarks.timing import time_graph
 
 from dflash_tfm.kernels import gdn_tree_commit, gdn_tree_verify, tree_attention, tree_causal_conv1d, tree_conv_commit
+from dflash_tfm.kernels.gdn.tree_front import gdn_tree_front
+from dflash_tfm.kernels.gdn.tree_inputs import gdn_tree_inputs
 from dflash_tfm.kernels.gdn.tree_reference import gdn_tree_verify_reference
 from dflash_tfm.spec.tree import ancestor_bitsets, random_parents
 
@@ -92,6 +95,36 @@ def bench_gdn(ns: list[int], layers: int) -> None:
                   for kernel, b in (("chunk", 16), ("chunk", 32), ("recurrent", 16)))
         print(f"| {n} | {chunk[16]:.1f} | {chunk[32]:.1f} | {recurrent:.1f} | "
               f"{recurrent / min(chunk.values()):.2f}x | {commit:.1f} | {eager:.1f} | {err:.1e} |")
+
+
+def bench_front(ns: list[int], layers: int) -> None:
+    """A GDN layer's verify from in_proj's output: the one-launch inputs then the solve, against the inputs with
+    the Gram tiles in one launch (`gdn_tree_front`) then the rest of the solve, as the model's choice times them."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    conv_dim, proj_dim = CONV_CHANNELS, CONV_CHANNELS + HV * DV + 2 * HV
+    weight = 0.5 * torch.randn(conv_dim, 4, generator=gen, device="cuda").bfloat16()
+    window = torch.randn(1, conv_dim, 3, generator=gen, device="cuda").bfloat16()
+    A_log, dt_bias = (torch.randn(HV, generator=gen, device="cuda") for _ in range(2))
+    states = [0.5 * torch.randn(1, HV, DK, DV, device="cuda") for _ in range(layers)]
+    print(f"\n### GDN verify from in_proj's output, µs per layer ({layers} layers per graph)\n")
+    print("| N | inputs + solve | front + solve | o rel diff |")
+    print("|---|---|---|---|")
+    for n in ns:
+        proj = torch.randn(1, n, proj_dim, generator=gen, device="cuda").bfloat16()
+        parents, bits, _ = tree(n)
+        args = (proj, weight, A_log, dt_bias, parents, window)
+
+        def separate(layer: int):
+            q, k, v, z, beta, g = gdn_tree_inputs(*args, HK, DK, HV, DV)
+            return gdn_tree_verify(q, k, v, g, beta, parents, states[layer], ancestors=bits)[0]
+
+        def front(layer: int):
+            q, k, v, z, beta, g, gram = gdn_tree_front(*args, bits, HK, DK, HV, DV)
+            return gdn_tree_verify(q, k, v, g, beta, parents, states[layer], ancestors=bits, gram=gram)[0]
+
+        diff = ((front(0).float() - separate(0).float()).abs().max() / separate(0).float().abs().max()).item()
+        print(f"| {n} | {time_graph(separate, layers):.1f} | {time_graph(front, layers):.1f} | {diff:.1e} |",
+              flush=True)
 
 
 SWEEP_BASE = {"solve": "split", "precision": "tf32x3", "block_v": 16, "solve_width": 64}
@@ -290,6 +323,7 @@ def main() -> None:
         bench_sweep(args.sweep_ns, args.gdn_layers, args.budget, args.configs)
         return
     bench_gdn(args.ns, args.gdn_layers)
+    bench_front(args.ns, args.gdn_layers)
     bench_attention_and_conv(args.attn_n, args.attn_layers, args.gdn_layers)
 
 
