@@ -29,9 +29,13 @@ def _up(parents, b, N, a):
 @triton.jit
 def _input_at(x, window, b, a, offs_c, cm, sx_b, sx_n, sw_b, sw_c):
     """Conv input of chain index a (tree row if a ≥ 0, else window slot 3 + a) for channels offs_c, fp32."""
-    in_tree = tl.load(x + b * sx_b + tl.maximum(a, 0) * sx_n + offs_c, mask=cm & (a >= 0), other=0.0)
-    in_window = tl.load(window + b * sw_b + offs_c * sw_c + tl.maximum(a + 3, 0), mask=cm & (a < 0), other=0.0)
-    return tl.where(a >= 0, in_tree.to(tl.float32), in_window.to(tl.float32))
+    in_tree = x + b * sx_b + tl.maximum(a, 0) * sx_n + offs_c
+    in_window = window + b * sw_b + offs_c * sw_c + tl.maximum(a + 3, 0)
+    if x.dtype.element_ty == window.dtype.element_ty:  # one load through whichever pointer applies
+        return tl.load(tl.where(a >= 0, in_tree, in_window), mask=cm, other=0.0).to(tl.float32)
+    else:
+        tree_row = tl.load(in_tree, mask=cm & (a >= 0), other=0.0).to(tl.float32)
+        return tl.where(a >= 0, tree_row, tl.load(in_window, mask=cm & (a < 0), other=0.0).to(tl.float32))
 
 
 @triton.jit

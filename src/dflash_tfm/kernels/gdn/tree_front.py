@@ -39,15 +39,15 @@ MAX_BLOCK = 1024  # v channels per node program
 def _qk_rows(proj, weight, parents, window, keep, b, rows, c0, N, sp_b, sp_n, sw_b, sw_c, swt_c, store_keep,
              C: tl.constexpr, DK: tl.constexpr, KEEP: tl.constexpr):
     """q or k rows ``rows`` (channels c0 … c0 + DK of the conv input) as the inputs kernel makes them: tree conv,
-    SiLU, L2 norm, each rounded to the model dtype; fp32 [BT, DK], zero past N. KEEP and store_keep: the rows'
-    conv inputs also go to ``keep``."""
+    SiLU, L2 norm, each rounded to the model dtype; [BT, DK] in that dtype, zero past N. KEEP and store_keep:
+    the rows' conv inputs also go to ``keep``."""
     dt: tl.constexpr = proj.dtype.element_ty
     rm = (rows < N)[:, None]
     offs_c = c0 + tl.arange(0, DK)[None, :]
     cm = rm & (offs_c < C)
     acc = tree_conv_row(proj, weight, parents, window, keep, b, tl.minimum(rows, N - 1)[:, None], N, C, offs_c, cm,
                         cm & store_keep, sp_b, sp_n, sw_b, sw_c, swt_c, KEEP)
-    return l2_normalize_rows(round_to(acc * tl.sigmoid(acc), dt), dt)
+    return l2_normalize_rows(round_to(acc * tl.sigmoid(acc), dt), dt).to(dt)
 
 
 @triton.jit(do_not_specialize=["N", "W", "NB", "NP", "NODE_PROGRAMS"])  # one compile for every tree size
@@ -85,13 +85,13 @@ def _gdn_tree_front_kernel(
             if diag:
                 k_j = k_i
                 out = y + (b * N + rows[:, None]) * C + h * DK + tl.arange(0, DK)[None, :]
-                tl.store(out, q_i.to(dt), mask=(rows < N)[:, None])
-                tl.store(out + QK // 2, k_i.to(dt), mask=(rows < N)[:, None])
+                tl.store(out, q_i, mask=(rows < N)[:, None])
+                tl.store(out + QK // 2, k_i, mask=(rows < N)[:, None])
             else:
                 k_j = _qk_rows(proj, weight, parents, window, keep, b, j * BT + tl.arange(0, BT), QK // 2 + h * DK,
                                N, sp_b, sp_n, sw_b, sw_c, swt_c, False, C, DK, KEEP)
-            if NATIVE:
-                q_i, k_i, k_j = q_i.to(dt), k_i.to(dt), k_j.to(dt)
+            if not NATIVE:  # the Gram dots at PREC take fp32 (the values are exact either way)
+                q_i, k_i, k_j = q_i.to(tl.float32), k_i.to(tl.float32), k_j.to(tl.float32)
             store_gram_tile(kk, qk, bits + b * N * W, q_i, k_i, k_j, rows, j, bh, N, W, NP, scale, BT, PREC,
                             NATIVE)
             if j == 0:
