@@ -146,9 +146,9 @@ def test_kernel_compiles_for_hopper_at_27b_shapes(native: bool) -> None:
                 "qk", "G")
     types = ("*bf16", "*bf16", "*i64", "*bf16", "*fp32", "*fp32", "*i64", "*bf16", "*bf16", "*fp32", "*fp32",
              "*fp32", "*fp32", "*fp32")
-    scalars = dict(N="i32", W="i32", NB="i32", HK="i32", R="i32", NP="i32", NODE_PROGRAMS="i32", scale="fp32",
+    scalars = dict(N="i32", W="i32", NB="i32", HK="i32", R="i32", NP="i32", GRAM_PROGRAMS="i32", scale="fp32",
                    sp_b="i32", sp_n="i32", sw_b="i32", sw_c="i32", swt_c="i32")
-    constants = dict(C=10240, QK=4096, VD=6144, HV=48, DK=128, BC=1024, HVP=64, RP=16, BT=16, KEEP=True,
+    constants = dict(C=10240, QK=4096, VD=6144, HV=48, DK=128, BC=2048, HVP=64, RP=16, BT=16, KEEP=True,
                      PREC="tf32", NATIVE=native)
     source = ASTSource(fn=tree_front._gdn_tree_front_kernel,
                        signature=dict(zip(pointers, types)) | scalars | dict.fromkeys(constants, "constexpr"),

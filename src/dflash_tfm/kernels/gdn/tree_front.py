@@ -32,7 +32,10 @@ from dflash_tfm.kernels.gdn.tree_verify import TF32_SOLVE_MIN_NODES, path_decay_
 from dflash_tfm.kernels.rounding import round_to
 from dflash_tfm.spec.tree import ancestor_bitsets
 
-MAX_BLOCK = 1024  # v channels per node program
+# v channels per node program: the Gram programs' conv tiles (BT × dk, three per program) set the kernel's
+# registers (245 of 255 on sm_90 at 4 warps: two programs per SM), so node programs take wide blocks: fewer
+# programs, fewer waves.
+MAX_BLOCK = 2048
 
 
 @triton.jit
@@ -50,53 +53,55 @@ def _qk_rows(proj, weight, parents, window, keep, b, rows, c0, N, sp_b, sp_n, sw
     return l2_normalize_rows(round_to(acc * tl.sigmoid(acc), dt), dt).to(dt)
 
 
-@triton.jit(do_not_specialize=["N", "W", "NB", "NP", "NODE_PROGRAMS"])  # one compile for every tree size
+@triton.jit(do_not_specialize=["N", "W", "NB", "NP", "GRAM_PROGRAMS"])  # one compile for every tree size
 def _gdn_tree_front_kernel(
     proj, weight, parents, window, a_log, dt_bias, bits, y, keep, beta, g, kk, qk, G,
-    N, W, NB, HK, R, NP, NODE_PROGRAMS, scale, sp_b, sp_n, sw_b, sw_c, swt_c,
+    N, W, NB, HK, R, NP, GRAM_PROGRAMS, scale, sp_b, sp_n, sw_b, sw_c, swt_c,
     C: tl.constexpr, QK: tl.constexpr, VD: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr,
     BC: tl.constexpr, HVP: tl.constexpr, RP: tl.constexpr, BT: tl.constexpr, KEEP: tl.constexpr,
     PREC: tl.constexpr, NATIVE: tl.constexpr,
 ):
-    """1-D grid: NODE_PROGRAMS = (cdiv(C − QK, BC) + 1)·B·N node programs (v channels from QK on, then β and
-    g), then NB·NB·B·HK Gram programs (j, i, b, key head h); those above the block diagonal do nothing.
-    Layouts: `node_inputs`; kk, qk [B, HK, NP, NP]; G [B, N, HV] fp32."""
+    """1-D grid: B·HK·NB(NB+1)/2 Gram programs (key head, then row block i and column block j ≤ i), the longer
+    ones, first; then (cdiv(C − QK, BC) + 1)·B·N node programs (v channels from QK on, then β and g), from
+    GRAM_PROGRAMS on. Layouts: `node_inputs`; kk, qk [B, HK, NP, NP]; G [B, N, HV] fp32."""
     pid = tl.program_id(0)
-    if pid < NODE_PROGRAMS:
+    if pid >= GRAM_PROGRAMS:
         blocks = tl.cdiv(C - QK, BC) + 1
-        node = pid // blocks
+        node = (pid - GRAM_PROGRAMS) // blocks
         node_inputs(proj, weight, parents, window, a_log, dt_bias, y, keep, beta, g, node // N, node % N,
-                    QK + (pid % blocks) * BC, N, sp_b, sp_n, sw_b, sw_c, swt_c, C, QK, VD, HV, DK, BC, HVP, KEEP)
+                    QK + ((pid - GRAM_PROGRAMS) % blocks) * BC, N, sp_b, sp_n, sw_b, sw_c, swt_c, C, QK, VD, HV, DK,
+                    BC, HVP, KEEP)
     else:
-        t = pid - NODE_PROGRAMS
-        j = t % NB
-        i = (t // NB) % NB
-        bh = t // (NB * NB)
+        pairs = NB * (NB + 1) // 2
+        bh = pid // pairs
+        t = pid % pairs  # the t-th block pair of the lower triangle, row by row: t = i(i + 1)/2 + j
+        i = ((tl.sqrt(8.0 * t + 1.0) - 1.0) * 0.5).to(tl.int32)
+        i = tl.where((i + 1) * (i + 2) // 2 <= t, i + 1, tl.where(i * (i + 1) // 2 > t, i - 1, i))
+        j = t - i * (i + 1) // 2
         b = bh // HK
         h = bh % HK
-        if j <= i:
-            dt: tl.constexpr = proj.dtype.element_ty
-            diag = j == i
-            rows = i * BT + tl.arange(0, BT)
-            q_i = _qk_rows(proj, weight, parents, window, keep, b, rows, h * DK, N, sp_b, sp_n, sw_b, sw_c, swt_c,
-                           diag, C, DK, KEEP)
-            k_i = _qk_rows(proj, weight, parents, window, keep, b, rows, QK // 2 + h * DK, N, sp_b, sp_n, sw_b,
-                           sw_c, swt_c, diag, C, DK, KEEP)
-            if diag:
-                k_j = k_i
-                out = y + (b * N + rows[:, None]) * C + h * DK + tl.arange(0, DK)[None, :]
-                tl.store(out, q_i, mask=(rows < N)[:, None])
-                tl.store(out + QK // 2, k_i, mask=(rows < N)[:, None])
-            else:
-                k_j = _qk_rows(proj, weight, parents, window, keep, b, j * BT + tl.arange(0, BT), QK // 2 + h * DK,
-                               N, sp_b, sp_n, sw_b, sw_c, swt_c, False, C, DK, KEEP)
-            if not NATIVE:  # the Gram dots at PREC take fp32 (the values are exact either way)
-                q_i, k_i, k_j = q_i.to(tl.float32), k_i.to(tl.float32), k_j.to(tl.float32)
-            store_gram_tile(kk, qk, bits + b * N * W, q_i, k_i, k_j, rows, j, bh, N, W, NP, scale, BT, PREC,
-                            NATIVE)
-            if j == 0:
-                path_decay_rows(proj, bits + b * N * W, G + b * N * HV, rows, N, W, h * R, R, HV,
-                                b * sp_b + C + VD + HV, sp_n, 1, a_log, dt_bias, RP, True)
+        dt: tl.constexpr = proj.dtype.element_ty
+        diag = j == i
+        rows = i * BT + tl.arange(0, BT)
+        q_i = _qk_rows(proj, weight, parents, window, keep, b, rows, h * DK, N, sp_b, sp_n, sw_b, sw_c, swt_c,
+                       diag, C, DK, KEEP)
+        k_i = _qk_rows(proj, weight, parents, window, keep, b, rows, QK // 2 + h * DK, N, sp_b, sp_n, sw_b,
+                       sw_c, swt_c, diag, C, DK, KEEP)
+        if diag:
+            k_j = k_i
+            out = y + (b * N + rows[:, None]) * C + h * DK + tl.arange(0, DK)[None, :]
+            tl.store(out, q_i, mask=(rows < N)[:, None])
+            tl.store(out + QK // 2, k_i, mask=(rows < N)[:, None])
+        else:
+            k_j = _qk_rows(proj, weight, parents, window, keep, b, j * BT + tl.arange(0, BT), QK // 2 + h * DK,
+                           N, sp_b, sp_n, sw_b, sw_c, swt_c, False, C, DK, KEEP)
+        if not NATIVE:  # the Gram dots at PREC take fp32 (the values are exact either way)
+            q_i, k_i, k_j = q_i.to(tl.float32), k_i.to(tl.float32), k_j.to(tl.float32)
+        store_gram_tile(kk, qk, bits + b * N * W, q_i, k_i, k_j, rows, j, bh, N, W, NP, scale, BT, PREC,
+                        NATIVE)
+        if j == 0:
+            path_decay_rows(proj, bits + b * N * W, G + b * N * HV, rows, N, W, h * R, R, HV,
+                            b * sp_b + C + VD + HV, sp_n, 1, a_log, dt_bias, RP, True)
 
 
 def gdn_tree_front(
@@ -136,13 +141,13 @@ def gdn_tree_front(
     G = torch.empty(B, N, hv, dtype=f32, device=dev) if G_out is None else G_out
     QK = 2 * hk * dk
     BC = min(MAX_BLOCK, triton.next_power_of_2(C - QK))
-    node_programs = (triton.cdiv(C - QK, BC) + 1) * B * N
+    gram_programs = nb * (nb + 1) // 2 * B * hk
     # Triton's CPU interpreter gets 16-bit dots wrong (see gdn_tree_verify): there the Gram dots stay fp32
     native = gram_native and not TRITON_INTERPRETED and proj.dtype in (torch.bfloat16, torch.float16)
-    _gdn_tree_front_kernel[(node_programs + nb * nb * B * hk,)](
+    _gdn_tree_front_kernel[(gram_programs + (triton.cdiv(C - QK, BC) + 1) * B * N,)](
         proj, conv_weight, parents.contiguous(), conv_window, A_log, dt_bias, bits, y,
         y if keep_input is None else keep_input, beta, g, kk, qk, G,
-        N, bits.shape[-1], nb, hk, hv // hk, NP, node_programs, scale,
+        N, bits.shape[-1], nb, hk, hv // hk, NP, gram_programs, scale,
         *proj.stride()[:2], *conv_window.stride()[:2], conv_weight.stride(0),
         C=C, QK=QK, VD=hv * dv, HV=hv, DK=dk, BC=BC, HVP=triton.next_power_of_2(hv),
         RP=max(16, triton.next_power_of_2(hv // hk)), BT=block_size, KEEP=keep_input is not None,
