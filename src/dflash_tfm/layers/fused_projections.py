@@ -2,11 +2,11 @@
 (a mixer's input projection, or gate_up), silu · mul into down.
 
 `CausalLM` calls these for every layer; for anything but one row on CUDA they are exactly the layers' own ops
-(residual add fused into the norm, `layers/linear.py` projections, `silu_and_mul`), the small op run while the
-projection's weight starts coming into L2 (`weight_prefetch.ahead_of`, "short" windows). For one row on CUDA (a decode step) each may run
-as one Triton GEMV that computes its own input (`kernels/linear/fused_gemv.py`), or as the separate kernels,
-whichever measured faster for this shape (`MeasuredChoice`, decided at the engine's warm-up before a CUDA graph
-is captured). DFLASH_TFM_FUSED_GEMV=0 keeps the separate kernels.
+(residual add fused into the norm, `layers/linear.py` projections, `silu_and_mul`), the small op running while
+the projection's weight starts coming into L2 (`weight_prefetch.ahead_of`, "short" windows). For one row on
+CUDA (a decode step) each may run as one Triton GEMV that computes its own input (`kernels/linear/fused_gemv.py`),
+or as the separate kernels, whichever measured faster for this shape (`MeasuredChoice`, decided at the engine's
+warm-up before a CUDA graph is captured). DFLASH_TFM_FUSED_GEMV=0 keeps the separate kernels.
 """
 from __future__ import annotations
 

@@ -27,8 +27,8 @@ from dflash_tfm.layers.compile import fuse_on_cuda
 from dflash_tfm.layers.linear import linear
 from dflash_tfm.layers.measured_choice import MeasuredChoice
 from dflash_tfm.layers.norm import gated_rms_norm
-from dflash_tfm.layers.weight_prefetch import ahead_of
 from dflash_tfm.layers.short_conv import causal_conv1d
+from dflash_tfm.layers.weight_prefetch import ahead_of
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

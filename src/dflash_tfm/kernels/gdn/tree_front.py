@@ -33,8 +33,8 @@ from dflash_tfm.kernels.rounding import round_to
 from dflash_tfm.spec.tree import ancestor_bitsets
 
 # v channels per node program: the Gram programs' conv tiles (BT × dk, three per program) set the kernel's
-# registers (245 of 255 on sm_90 at 4 warps: two programs per SM), so node programs take wide blocks: fewer
-# programs, fewer waves.
+# registers (255 on sm_90 at 4 warps with bf16 dots, ptxas -v: two programs per SM), so node programs take wide
+# blocks: fewer programs, fewer waves.
 MAX_BLOCK = 2048
 
 
