@@ -135,7 +135,7 @@ def _gdn_tree_gram_kernel(
                         NATIVE)
     if j_lo == 0:  # G of this row block's value heads (with PAIRS: in its column-block-0 program)
         path_decay_rows(g, bits + b * N * W, G + b * N * HK * R, rows, N, W, h * R, R, HK * R, b * sg_b, sg_n, sg_h,
-                        g, g, RP, False)
+                        g, g, RP, False)  # g itself: no a_log, dt_bias needed
 
 
 @triton.jit
