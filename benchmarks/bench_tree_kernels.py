@@ -5,8 +5,9 @@ N = 16, 32, 65, 129 best-first tree tokens, and the fold commit. Each measuremen
 call for all 48 GDN layers, each layer with its own 3 MiB fp32 state (more than L2), so the time has the
 state traffic of a real verify step and no launch overhead; reported as the median µs per layer. The
 ancestor bitsets are built once per step outside the timed region, as the engine does. Then the verify from
-in_proj's output: verify inputs + solve against the one-launch front (inputs + Gram tiles) + solve. Also: tree attention
-(24 q / 4 kv heads, head_dim 256, cache 4096, 16 attention layers) and the tree conv (C = 10240) at N = 65.
+in_proj's output: verify inputs + solve against the one-launch front (inputs + Gram tiles) + solve. Also:
+tree attention (24 q / 4 kv heads, head_dim 256, cache 4096, 16 attention layers) and the tree conv
+(C = 10240) at N = 65.
 Prints markdown tables; the KERNELS.md target is ≤ 45 µs per GDN layer at N = 65.
 
 ``--sweep`` instead times the chunk kernel's tuning options (``gdn_tree_verify`` keyword arguments: solver,
@@ -122,7 +123,8 @@ def bench_front(ns: list[int], layers: int) -> None:
             q, k, v, z, beta, g, gram = gdn_tree_front(*args, bits, HK, DK, HV, DV)
             return gdn_tree_verify(q, k, v, g, beta, parents, states[layer], ancestors=bits, gram=gram)[0]
 
-        diff = ((front(0).float() - separate(0).float()).abs().max() / separate(0).float().abs().max()).item()
+        o_separate = separate(0).float()
+        diff = ((front(0).float() - o_separate).abs().max() / o_separate.abs().max()).item()
         print(f"| {n} | {time_graph(separate, layers):.1f} | {time_graph(front, layers):.1f} | {diff:.1e} |",
               flush=True)
 

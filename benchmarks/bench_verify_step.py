@@ -80,8 +80,6 @@ def time_steps(model, cfg: ModelConfig, args: argparse.Namespace, device: torch.
             results["verify"][n] = {"verify_ms": verify_ms, "commit_ms": commit_ms, "max_depth": int(depth.max())}
             print(f"N={n}: verify {verify_ms:.2f} ms ({verify_ms / ar_ms:.2f}x AR), commit {commit_ms:.3f} ms", flush=True)
             del graph, cgraph
-    del runner
-    torch.cuda.empty_cache()
     return results
 
 
@@ -104,6 +102,7 @@ def main() -> None:
         mixer, short = (int(m) << 20 for m in setting.split(":"))
         with prefetching(mixer, short):  # captured into this run's graphs
             results["runs"][setting] = run = time_steps(model, cfg, args, device)
+        torch.cuda.empty_cache()  # the finished run's runner, caches and graphs
         print(f"\n| N | verify ms | / AR step | commit ms |  (AR step {run['ar_step_ms']:.2f} ms, context {L}, GDN "
               f"kernel {args.kernel}, L2 prefetch MiB mixer:short {setting})")
         print("|---|---|---|---|")

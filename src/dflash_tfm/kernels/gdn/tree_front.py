@@ -80,7 +80,6 @@ def _gdn_tree_front_kernel(
         j = t - i * (i + 1) // 2
         b = bh // HK
         h = bh % HK
-        dt: tl.constexpr = proj.dtype.element_ty
         diag = j == i
         rows = i * BT + tl.arange(0, BT)
         q_i = _qk_rows(proj, weight, parents, window, keep, b, rows, h * DK, N, sp_b, sp_n, sw_b, sw_c, swt_c,
