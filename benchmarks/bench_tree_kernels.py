@@ -4,8 +4,9 @@ GDN: ``gdn_tree_verify`` chunk (row blocks 16/32) vs the recurrent baseline (sta
 N = 16, 32, 65, 129 best-first tree tokens, and the fold commit. Each measurement is one CUDA graph holding the
 call for all 48 GDN layers, each layer with its own 3 MiB fp32 state (more than L2), so the time has the
 state traffic of a real verify step and no launch overhead; reported as the median µs per layer. The
-ancestor bitsets are built once per step outside the timed region, as the engine does. Then the verify from
-in_proj's output: verify inputs + solve against the one-launch front (inputs + Gram tiles) + solve. Also:
+ancestor bitsets and the conv's ancestor table are built once per step outside the timed region, as the engine
+does. Then the verify from in_proj's output: the verify inputs alone, inputs + solve, and the one-launch front
+(inputs + Gram tiles) + solve. Also:
 tree attention (24 q / 4 kv heads, head_dim 256, cache 4096, 16 attention layers) and the tree conv
 (C = 10240) at N = 65.
 Prints markdown tables; the KERNELS.md target is ≤ 45 µs per GDN layer at N = 65.
@@ -38,7 +39,7 @@ from dflash_tfm.kernels import gdn_tree_commit, gdn_tree_verify, tree_attention,
 from dflash_tfm.kernels.gdn.tree_front import gdn_tree_front
 from dflash_tfm.kernels.gdn.tree_inputs import gdn_tree_inputs
 from dflash_tfm.kernels.gdn.tree_reference import gdn_tree_verify_reference
-from dflash_tfm.spec.tree import ancestor_bitsets, random_parents
+from dflash_tfm.spec.tree import ancestor_bitsets, nearest_ancestors, random_parents
 
 HK, HV, DK, DV = 16, 48, 128, 128            # GDN layer
 H, HKV, HEAD_DIM, CACHE = 24, 4, 256, 4096   # gated attention layer
@@ -108,25 +109,27 @@ def bench_front(ns: list[int], layers: int) -> None:
     A_log, dt_bias = (torch.randn(HV, generator=gen, device="cuda") for _ in range(2))
     states = [0.5 * torch.randn(1, HV, DK, DV, device="cuda") for _ in range(layers)]
     print(f"\n### GDN verify from in_proj's output, µs per layer ({layers} layers per graph)\n")
-    print("| N | inputs + solve | front + solve | o rel diff |")
-    print("|---|---|---|---|")
+    print("| N | inputs alone | inputs + solve | front + solve | o rel diff |")
+    print("|---|---|---|---|---|")
     for n in ns:
         proj = torch.randn(1, n, proj_dim, generator=gen, device="cuda").bfloat16()
         parents, bits, _ = tree(n)
         args = (proj, weight, A_log, dt_bias, parents, window)
+        nearest = nearest_ancestors(parents)  # the step's table, as the model passes it
 
         def separate(layer: int):
-            q, k, v, z, beta, g = gdn_tree_inputs(*args, HK, DK, HV, DV)
+            q, k, v, z, beta, g = gdn_tree_inputs(*args, HK, DK, HV, DV, nearest=nearest)
             return gdn_tree_verify(q, k, v, g, beta, parents, states[layer], ancestors=bits)[0]
 
         def front(layer: int):
-            q, k, v, z, beta, g, gram = gdn_tree_front(*args, bits, HK, DK, HV, DV)
+            q, k, v, z, beta, g, gram = gdn_tree_front(*args, bits, HK, DK, HV, DV, nearest=nearest)
             return gdn_tree_verify(q, k, v, g, beta, parents, states[layer], ancestors=bits, gram=gram)[0]
 
         o_separate = separate(0).float()
         diff = ((front(0).float() - o_separate).abs().max() / o_separate.abs().max()).item()
-        print(f"| {n} | {time_graph(separate, layers):.1f} | {time_graph(front, layers):.1f} | {diff:.1e} |",
-              flush=True)
+        inputs = time_graph(lambda layer: gdn_tree_inputs(*args, HK, DK, HV, DV, nearest=nearest), layers)
+        print(f"| {n} | {inputs:.1f} | {time_graph(separate, layers):.1f} | {time_graph(front, layers):.1f} | "
+              f"{diff:.1e} |", flush=True)
 
 
 SWEEP_BASE = {"solve": "split", "precision": "tf32x3", "block_v": 16, "solve_width": 64}
@@ -260,7 +263,9 @@ def bench_attention_and_conv(n: int, attn_layers: int, conv_layers: int) -> None
     x = torch.randn(1, n, CONV_CHANNELS, device="cuda", dtype=torch.bfloat16)
     weight = torch.randn(CONV_CHANNELS, 4, device="cuda", dtype=torch.bfloat16)
     windows = [torch.randn(1, CONV_CHANNELS, 3, device="cuda", dtype=torch.bfloat16) for _ in range(conv_layers)]
-    conv = time_graph(lambda layer: tree_causal_conv1d(x, weight, parents, windows[layer]), conv_layers)
+    nearest = nearest_ancestors(parents)
+    conv = time_graph(lambda layer: tree_causal_conv1d(x, weight, parents, windows[layer], nearest=nearest),
+                      conv_layers)
     conv_commit = time_graph(lambda layer: tree_conv_commit(x, parents, accepted, windows[layer]), conv_layers)
     print(f"\n### Attention and conv at N = {n}, µs per layer\n")
     print("| kernel | shape | µs |")

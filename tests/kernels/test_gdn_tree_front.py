@@ -142,9 +142,9 @@ def test_kernel_compiles_for_hopper_at_27b_shapes(native: bool) -> None:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    pointers = ("proj", "weight", "parents", "window", "a_log", "dt_bias", "bits", "y", "keep", "beta", "g", "kk",
+    pointers = ("proj", "weight", "nearest", "window", "a_log", "dt_bias", "bits", "y", "keep", "beta", "g", "kk",
                 "qk", "G")
-    types = ("*bf16", "*bf16", "*i64", "*bf16", "*fp32", "*fp32", "*i64", "*bf16", "*bf16", "*fp32", "*fp32",
+    types = ("*bf16", "*bf16", "*i32", "*bf16", "*fp32", "*fp32", "*i64", "*bf16", "*bf16", "*fp32", "*fp32",
              "*fp32", "*fp32", "*fp32")
     scalars = dict(N="i32", W="i32", NB="i32", HK="i32", R="i32", NP="i32", GRAM_PROGRAMS="i32", scale="fp32",
                    sp_b="i32", sp_n="i32", sw_b="i32", sw_c="i32", swt_c="i32")

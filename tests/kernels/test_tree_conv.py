@@ -13,7 +13,7 @@ import torch
 
 from dflash_tfm.kernels import TRITON_INTERPRETED, tree_causal_conv1d, tree_conv_commit
 from dflash_tfm.kernels.conv.reference import tree_causal_conv1d_reference, tree_conv_commit_reference
-from dflash_tfm.spec.tree import TREE_SHAPES, random_parents
+from dflash_tfm.spec.tree import TREE_SHAPES, nearest_ancestors, random_parents
 
 from .test_tree_common import accepted_mask, rel_err, root_path, triton_device  # noqa: F401  (fixture)
 
@@ -80,6 +80,22 @@ def test_triton_bf16_and_strided_input_match_twin(triton_device: str) -> None:
     parents = parents.to(triton_device)
     y = tree_causal_conv1d(x, w, parents, win, activation=None)
     assert rel_err(y, tree_causal_conv1d_reference(x, w, parents, win, activation=None)) <= 1e-2
+
+
+def test_triton_reads_the_given_ancestor_table(triton_device: str) -> None:
+    """The kernel takes each node's taps from the step's `nearest_ancestors` table, not from parents: with
+    another tree's table (same N) it gives that tree's conv, and a table of the wrong shape or dtype is refused
+    by name."""
+    (x, w, win), parents = make_case(2, 17, 24, "best_first", triton_device)
+    other = torch.stack([random_parents(17, "chain"), random_parents(17, "random", seed=5)]).to(triton_device)
+    parents = parents.to(triton_device)
+    y = tree_causal_conv1d(x, w, parents, win, nearest=nearest_ancestors(other))
+    assert rel_err(y, tree_causal_conv1d_reference(x, w, other, win)) <= 1e-5
+    assert not torch.allclose(y, tree_causal_conv1d_reference(x, w, parents, win))
+    with pytest.raises(ValueError, match=r"nearest must be int32 \(2, 17, 3\)"):
+        tree_causal_conv1d(x, w, parents, win, nearest=nearest_ancestors(parents).long())
+    with pytest.raises(ValueError, match=r"got torch.int32 \(2, 16, 3\)"):
+        tree_causal_conv1d(x, w, parents, win, nearest=nearest_ancestors(parents[:, :16]))
 
 
 @pytest.mark.skipif(TRITON_INTERPRETED, reason="the CPU runs Triton's interpreter in this process")

@@ -10,6 +10,7 @@ from dflash_tfm.spec.tree import (
     ancestor_bitsets,
     ancestor_mask,
     depths_from_parents,
+    nearest_ancestors,
     pack_bitsets,
     random_parents,
     unpack_bitsets,
@@ -36,6 +37,20 @@ def test_ancestor_mask_and_bitsets_match_parent_walk(shape: str, N: int) -> None
     assert torch.equal(depths_from_parents(parents), expect.sum(-1) - 1)
 
 
+@pytest.mark.parametrize("shape", TREE_SHAPES)
+@pytest.mark.parametrize("N", [1, 2, 5, 65])
+def test_nearest_ancestors_match_parent_walk(shape: str, N: int) -> None:
+    """Row i: the 1st, 2nd, 3rd node up from i, continuing above the root as −1, −2, −3; [N] or [B, N]."""
+    parents = torch.stack([random_parents(N, shape, seed=s) for s in range(2)])
+    expect = torch.empty(2, N, 3, dtype=torch.int32)
+    for b in range(2):
+        for i in range(N):
+            above = root_path(parents[b], i)[::-1][1:]  # i's parent, …, the root
+            expect[b, i] = torch.tensor((above + [-1, -2, -3])[:3])
+    assert torch.equal(nearest_ancestors(parents), expect)
+    assert torch.equal(nearest_ancestors(parents[1]), expect[1])
+
+
 def test_bitset_word_layout() -> None:
     """Bit j % 64 of word j // 64, bit 63 being the sign bit of the int64 word."""
     mask = torch.zeros(1, 130, dtype=torch.bool)
@@ -59,6 +74,7 @@ def test_tree_spec_build_batch_and_positions() -> None:
     assert spec.depths[0].tolist() == [0, 1, 1, 2, 2, 2, 2, 3, 3]
     assert spec.positions[1].tolist() == list(range(100, 109))
     assert torch.equal(spec.ancestor_mask(), ancestor_mask(parents))
+    assert torch.equal(spec.nearest_ancestors, nearest_ancestors(parents))
     assert TreeSpec.build(tokens[0], parents[0], cache_len=7).positions.tolist() == [7, 8, 8, 9, 9, 9, 9, 10, 10]
 
 
@@ -87,4 +103,8 @@ def test_validate_rejects_depth_shapes_dtypes_and_duplicate_siblings() -> None:
     spec = TreeSpec.build(torch.tensor([5, 7, 8, 7]), parents)
     spec.tokens = spec.tokens[:3]
     with pytest.raises(ValueError, match="tokens has shape"):
+        spec.validate()
+    spec = TreeSpec.build(torch.tensor([5, 7, 8, 7]), parents)
+    spec.nearest_ancestors = spec.nearest_ancestors.long()
+    with pytest.raises(ValueError, match="nearest_ancestors must be int32"):
         spec.validate()

@@ -29,6 +29,7 @@ from dflash_tfm.layers.measured_choice import MeasuredChoice
 from dflash_tfm.layers.norm import gated_rms_norm
 from dflash_tfm.layers.short_conv import causal_conv1d
 from dflash_tfm.layers.weight_prefetch import ahead_of
+from dflash_tfm.spec.tree import TreeSpec
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -154,29 +155,28 @@ class GatedDeltaNet(nn.Module):
         proj: torch.Tensor,
         state: torch.Tensor,
         conv_window: torch.Tensor,
-        parents: torch.Tensor,
-        ancestors: torch.Tensor,
+        tree: TreeSpec,
         kernel: str = "chunk",
         keep: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, GDNTreeContext]]:
-        """Outputs of all tree nodes (their projections proj [B, N, *]; parents [B, N], shared ancestor bitsets)
+        """Outputs of all tree nodes (their projections proj [B, N, *]; the step's tree, [B, N] tensors)
         from the committed state and conv window, which are only read. Returns what `commit` needs; `keep`
         (this layer's `GDNCommitStacks.layer` slices, chunk kernel) receives it in place."""
         keep_mixed, u_out, G_out = (None, None, None) if keep is None else keep
         with ahead_of(self.out_proj, "mixer", proj):
-            o, z, ctx = self.tree_solve(proj, state, conv_window, parents, ancestors, kernel, keep_mixed, u_out, G_out)
+            o, z, ctx = self.tree_solve(proj, state, conv_window, tree, kernel, keep_mixed, u_out, G_out)
             y = self.output_norm(o, z)
         return linear(y, self.out_proj), (proj[..., : self.conv_dim] if keep_mixed is None else keep_mixed, ctx)
 
     def tree_solve(
-        self, proj: torch.Tensor, state: torch.Tensor, conv_window: torch.Tensor, parents: torch.Tensor,
-        ancestors: torch.Tensor, kernel: str, keep_mixed: torch.Tensor | None, u_out: torch.Tensor | None,
-        G_out: torch.Tensor | None,
+        self, proj: torch.Tensor, state: torch.Tensor, conv_window: torch.Tensor, tree: TreeSpec, kernel: str,
+        keep_mixed: torch.Tensor | None, u_out: torch.Tensor | None, G_out: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor, GDNTreeContext]:
         """(o, z, commit context) of the tree nodes, by whichever path measured fastest for the shape
         (`gdn_verify_path_choice`, each timed from in_proj's output to the solve's): the inputs as three kernels
         (β/g, tree conv, q/k norm) or one (`gdn_tree_inputs`), then `gdn_tree_verify`; or, for the chunk kernel,
         the inputs with the solve's Gram tiles in one launch (`gdn_tree_front`) and the rest of the solve."""
+        parents, ancestors, nearest = tree.parents, tree.ancestors, tree.nearest_ancestors
         def solve(q, k, v, z, beta, g, gram=None) -> tuple[torch.Tensor, torch.Tensor, GDNTreeContext]:
             o, ctx = gdn_tree_verify(q, k, v, g, beta, parents, state, kernel=kernel, ancestors=ancestors,
                                      u_out=u_out, G_out=G_out, gram=gram)
@@ -185,17 +185,18 @@ class GatedDeltaNet(nn.Module):
         def unfused() -> tuple[torch.Tensor, torch.Tensor, GDNTreeContext]:
             mixed, z, beta, g = fused_split_projection(
                 proj, self.A_log, self.dt_bias, self.conv_dim, self.hv, self.dv)
-            conv_out = tree_causal_conv1d(mixed, self.conv_weight, parents, conv_window, keep_input=keep_mixed)
+            conv_out = tree_causal_conv1d(mixed, self.conv_weight, parents, conv_window, keep_input=keep_mixed,
+                                          nearest=nearest)
             return solve(*fused_split_heads(conv_out, self.hk, self.dk, self.hv, self.dv), z, beta, g)
 
         def fused() -> tuple[torch.Tensor, torch.Tensor, GDNTreeContext]:
             return solve(*gdn_tree_inputs(proj, self.conv_weight, self.A_log, self.dt_bias, parents, conv_window,
-                                          self.hk, self.dk, self.hv, self.dv, keep_input=keep_mixed))
+                                          self.hk, self.dk, self.hv, self.dv, keep_input=keep_mixed, nearest=nearest))
 
         def front() -> tuple[torch.Tensor, torch.Tensor, GDNTreeContext]:
             return solve(*gdn_tree_front(proj, self.conv_weight, self.A_log, self.dt_bias, parents, conv_window,
                                          ancestors, self.hk, self.dk, self.hv, self.dv, keep_input=keep_mixed,
-                                         G_out=G_out))
+                                         G_out=G_out, nearest=nearest))
 
         paths = {"unfused": unfused, "fused": fused} | ({"front": front} if kernel == "chunk" else {})
         key = (*proj.shape, proj.dtype, self.hk, self.dk, self.hv, self.dv, kernel)

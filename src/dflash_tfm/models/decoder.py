@@ -126,7 +126,7 @@ class CausalLM(nn.Module):
                 out, saved.layers[i] = layer.mixer.verify(proj, tree.positions, self.rope, k_cache, v_cache, cache_len, tree.ancestors)
             else:
                 state, window = cache.gdn[i]
-                out, saved.layers[i] = layer.mixer.verify(proj, state, window, tree.parents, tree.ancestors, gdn_kernel,
+                out, saved.layers[i] = layer.mixer.verify(proj, state, window, tree, gdn_kernel,
                                                    keep=None if stacks is None else stacks.layer(i))
             return out
 

@@ -1,10 +1,11 @@
-"""Tree metadata for one verify step: tokens, parents, depths, positions and ancestor bitsets.
+"""Tree metadata for one verify step: tokens, parents, depths, positions, ancestor bitsets and conv taps.
 
 A proposal tree has N nodes ordered so that every parent comes before its children; node 0 is the
 root (the last sampled token, not yet in the target cache) and has parent −1. Everything the verify
 kernels need about the tree's shape is the inclusive ancestor relation ``anc⁺(i)`` (ancestors and i),
-kept as int64 bitsets ``[N, ceil(N/64)]``: bit j of row i is set iff j ∈ anc⁺(i). They are built once
-per step on the device and shared by every layer (tree attention, GDN solve, conv).
+kept as int64 bitsets ``[N, ceil(N/64)]``: bit j of row i is set iff j ∈ anc⁺(i), and, for the tree
+conv, each node's three nearest ancestors. Both are built once per step on the device and shared by
+every layer (tree attention, GDN solve, conv).
 
 All helpers accept a leading batch dimension: parents ``[N]`` or ``[B, N]``.
 """
@@ -90,13 +91,36 @@ def depths_from_parents(parents: torch.Tensor) -> torch.Tensor:
     return ancestor_mask(parents).sum(-1) - 1
 
 
+def ancestor_chain(parents: torch.Tensor, start: torch.Tensor, length: int) -> torch.Tensor:
+    """``[B, M, length]`` indices ``a_0 = start, a_{t+1} = par(a_t)`` for ``parents [B, N]`` and ``start [B, M]``,
+    continuing above the root as −1, −2, −3… (−s: s steps above the root, where the tree conv reads its
+    committed window)."""
+    chain = [start.long()]
+    for _ in range(length - 1):
+        a = chain[-1]
+        up = parents.long().gather(1, a.clamp(min=0))
+        chain.append(torch.where(a >= 0, up, a - 1))
+    return torch.stack(chain, dim=-1)
+
+
+def nearest_ancestors(parents: torch.Tensor, count: int = 3) -> torch.Tensor:
+    """Each node's ``count`` nearest ancestors, nearest first, as int32 ``[..., N, count]`` (−1, −2, … above the
+    root): the rows the width-4 tree conv reads besides the node's own. Built once per step (`TreeSpec`), the
+    table lets the conv kernels load all taps at once instead of following parent pointers one dependent load
+    at a time."""
+    flat = parents.reshape(-1, parents.shape[-1])
+    nodes = torch.arange(flat.shape[-1], device=flat.device).expand_as(flat)
+    return ancestor_chain(flat, nodes, count + 1)[..., 1:].to(torch.int32).reshape(*parents.shape, count)
+
+
 @dataclass
 class TreeSpec:
     """One verify step's tree, built once on the device and shared by all layers.
 
     ``tokens``, ``parents``, ``depths``, ``positions`` are ``[N]`` (or ``[B, N]``) long tensors;
     ``positions = cache_len + depth`` (RoPE positions); ``ancestors`` are the inclusive ancestor
-    bitsets ``[..., N, ceil(N/64)]`` int64 read by every tree kernel.
+    bitsets ``[..., N, ceil(N/64)]`` int64 read by every tree kernel; ``nearest_ancestors`` ``[..., N, 3]``
+    int32 (`nearest_ancestors`) are the tree conv's taps above each node.
     """
 
     tokens: torch.Tensor
@@ -104,10 +128,11 @@ class TreeSpec:
     depths: torch.Tensor
     positions: torch.Tensor
     ancestors: torch.Tensor
+    nearest_ancestors: torch.Tensor
 
     @classmethod
     def build(cls, tokens: torch.Tensor, parents: torch.Tensor, cache_len: int | torch.Tensor = 0) -> TreeSpec:
-        """Derive depths, positions and bitsets from ``tokens`` and ``parents`` (no host sync).
+        """Derive depths, positions, bitsets and the conv taps from ``tokens`` and ``parents`` (no host sync).
 
         ``cache_len`` is an int or a ``[B]`` tensor (committed length L of each sequence).
         """
@@ -116,7 +141,7 @@ class TreeSpec:
         depths = mask.sum(-1) - 1
         if isinstance(cache_len, torch.Tensor) and cache_len.dim() == 1:
             cache_len = cache_len.to(depths.device)[:, None]
-        return cls(tokens.long(), parents, depths, depths + cache_len, pack_bitsets(mask))
+        return cls(tokens.long(), parents, depths, depths + cache_len, pack_bitsets(mask), nearest_ancestors(parents))
 
     @property
     def num_nodes(self) -> int:
@@ -138,6 +163,9 @@ class TreeSpec:
         if self.ancestors.shape != (*self.parents.shape, words) or self.ancestors.dtype != torch.int64:
             raise ValueError(f"ancestors must be int64 {(*self.parents.shape, words)}, "
                              f"got {self.ancestors.dtype} {tuple(self.ancestors.shape)}")
+        if self.nearest_ancestors.shape != (*self.parents.shape, 3) or self.nearest_ancestors.dtype != torch.int32:
+            raise ValueError(f"nearest_ancestors must be int32 {(*self.parents.shape, 3)}, got "
+                             f"{self.nearest_ancestors.dtype} {tuple(self.nearest_ancestors.shape)}")
         validate_parents(self.parents, max_depth)
         tok = self.tokens.reshape(-1, n).cpu()
         par = self.parents.reshape(-1, n).cpu()

@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from dflash_tfm.spec.tree import ancestor_chain
+
 WIDTH = 4
 
 
@@ -32,20 +34,6 @@ def check_tree_conv_inputs(
     if tuple(conv_window.shape) != (B, C, WIDTH - 1):
         raise ValueError(f"conv_window must be [{B}, {C}, {WIDTH - 1}], got {tuple(conv_window.shape)}")
     return B, N, C
-
-
-def ancestor_chain(parents: torch.Tensor, start: torch.Tensor, length: int) -> torch.Tensor:
-    """``[..., length]`` indices ``a_0 = start, a_{t+1} = par(a_t)``, continuing above the root as −1, −2, −3…
-
-    A negative index −s means "s steps above the root", i.e. committed window slot ``3 − s``.
-    ``parents [B, N]``, ``start [B, M]`` → ``[B, M, length]``.
-    """
-    chain = [start.long()]
-    for _ in range(length - 1):
-        a = chain[-1]
-        up = parents.long().gather(1, a.clamp(min=0))
-        chain.append(torch.where(a >= 0, up, a - 1))
-    return torch.stack(chain, dim=-1)
 
 
 def _gather_inputs(x: torch.Tensor, conv_window: torch.Tensor, chain: torch.Tensor) -> torch.Tensor:

@@ -1,9 +1,10 @@
 """Tree causal depthwise conv1d (width 4, SiLU) for the GDN input q|k|v, and its commit.
 
-One program per (node, channel block): it follows the parent pointers three steps up (continuing above
-the root into the committed window), so every node's output is the plain causal conv over its root→node
-path preceded by the window. The window is never written during verify; the commit gathers the last three
-inputs of the accepted path (one program per channel block). Shapes and conventions: ``reference.py``.
+One program per (node, channel block): it reads the node's row and its three nearest ancestors' (the step's
+`nearest_ancestors` table, continuing above the root into the committed window), so every node's output is
+the plain causal conv over its root→node path preceded by the window. The window is never written during
+verify; the commit gathers the last three inputs of the accepted path (one program per channel block).
+Shapes and conventions: ``reference.py``.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from dflash_tfm.kernels.conv.reference import (
     tree_causal_conv1d_reference,
     tree_conv_commit_reference,
 )
+from dflash_tfm.spec.tree import nearest_ancestors
 
 
 @triton.jit
@@ -40,20 +42,20 @@ def _input_at(x, window, b, a, offs_c, cm, sx_b, sx_n, sw_b, sw_c):
 
 @triton.jit
 def tree_conv_row(
-    x, weight, parents, window, keep, b, i, N, C, offs_c, cm, keep_mask, sx_b, sx_n, sw_b, sw_c, swt_c,
+    x, weight, nearest, window, keep, b, i, N, C, offs_c, cm, keep_mask, sx_b, sx_n, sw_b, sw_c, swt_c,
     KEEP: tl.constexpr,
 ):
-    """fp32 ``Σ_t w[:, 3−t] · x_{anc_t(i)}`` (no activation) of node i's channels offs_c, following the parent
-    pointers three steps up and on into the window: i a node with offs_c ``[BC]``, or rows i ``[BT, 1]`` (each
-    < N) with offs_c ``[1, BC]`` for a ``[BT, BC]`` tile; cm masks the loads. KEEP also stores the nodes' own
-    inputs into the contiguous ``keep [B, N, C]`` where keep_mask."""
+    """fp32 ``Σ_t w[:, 3−t] · x_{anc_t(i)}`` (no activation) of node i's channels offs_c, the ancestors read from
+    ``nearest`` (contiguous int32 ``[B, N, 3]``, `nearest_ancestors`: all taps load at once, no chain of
+    parent loads): i a node with offs_c ``[BC]``, or rows i ``[BT, 1]`` (each < N) with offs_c ``[1, BC]`` for a
+    ``[BT, BC]`` tile; cm masks the loads. KEEP also stores the nodes' own inputs into the contiguous
+    ``keep [B, N, C]`` where keep_mask."""
     x_t = _input_at(x, window, b, i, offs_c, cm, sx_b, sx_n, sw_b, sw_c)  # t = 0: the node itself
     if KEEP:
         tl.store(keep + (b * N + i) * C + offs_c, x_t.to(keep.dtype.element_ty), mask=keep_mask)
     acc = tl.load(weight + offs_c * swt_c + 3, mask=offs_c < C, other=0.0).to(tl.float32) * x_t
-    a = i  # chain index: node, then ancestors, then window slots
-    for t in tl.static_range(1, 4):  # weight column 3 − t
-        a = _up(parents, b, N, a)
+    for t in tl.static_range(1, 4):  # weight column 3 − t; chain index: an ancestor, or a window slot (< 0)
+        a = tl.load(nearest + (b * N + i) * 3 + (t - 1))
         w_t = tl.load(weight + offs_c * swt_c + (3 - t), mask=offs_c < C, other=0.0).to(tl.float32)
         acc += w_t * _input_at(x, window, b, a, offs_c, cm, sx_b, sx_n, sw_b, sw_c)
     return acc
@@ -61,7 +63,7 @@ def tree_conv_row(
 
 @triton.jit
 def _tree_conv_kernel(
-    x, weight, parents, window, y, keep,
+    x, weight, nearest, window, y, keep,
     N, C, sx_b, sx_n, sw_b, sw_c, swt_c, sy_b, sy_n,
     BC: tl.constexpr, SILU: tl.constexpr, KEEP: tl.constexpr,
 ):
@@ -71,7 +73,7 @@ def _tree_conv_kernel(
     i = tl.program_id(1) % N
     offs_c = tl.program_id(0) * BC + tl.arange(0, BC)
     cm = offs_c < C
-    acc = tree_conv_row(x, weight, parents, window, keep, b, i, N, C, offs_c, cm, cm, sx_b, sx_n, sw_b, sw_c, swt_c,
+    acc = tree_conv_row(x, weight, nearest, window, keep, b, i, N, C, offs_c, cm, cm, sx_b, sx_n, sw_b, sw_c, swt_c,
                         KEEP)
     if SILU:
         acc = acc * tl.sigmoid(acc)
@@ -110,16 +112,28 @@ def unit_stride(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return tuple(t if t.stride(-1) == 1 else t.contiguous() for t in tensors)
 
 
+def taps_table(parents: torch.Tensor, nearest: torch.Tensor | None) -> torch.Tensor:
+    """The conv kernels' contiguous int32 ``[B, N, 3]`` ancestor table: ``nearest`` (the step's
+    `nearest_ancestors`, checked against parents' shape), or built from ``parents`` when None."""
+    if nearest is None:
+        return nearest_ancestors(parents)
+    if tuple(nearest.shape) != (*parents.shape, 3) or nearest.dtype != torch.int32:
+        raise ValueError(f"nearest must be int32 {(*parents.shape, 3)} (nearest_ancestors(parents)), got "
+                         f"{nearest.dtype} {tuple(nearest.shape)}")
+    return nearest.contiguous()
+
+
 def tree_causal_conv1d(
     x: torch.Tensor, weight: torch.Tensor, parents: torch.Tensor, conv_window: torch.Tensor,
-    activation: str | None = "silu", keep_input: torch.Tensor | None = None,
+    activation: str | None = "silu", keep_input: torch.Tensor | None = None, nearest: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``y_i = act(Σ_t w[:, 3−t] · x_{anc_t(i)})`` for every tree node; the window is only read.
 
     x ``[B, N, C]``, weight ``[C, 4]``, parents ``[B, N]``, conv_window ``[B, C, 3]`` (most recent last).
     Returns ``y [B, N, C]`` in x's dtype (fp32 accumulation). ``keep_input`` (contiguous, x's shape) also
     receives x: a slice of a layer-stacked buffer lets the commit read every layer's inputs in one launch,
-    without a stacking copy of x (which is usually a strided view of the input projection).
+    without a stacking copy of x (which is usually a strided view of the input projection). ``nearest``: the
+    step's `nearest_ancestors(parents)` table ``[B, N, 3]`` int32, built here when None.
     """
     B, N, C = check_tree_conv_inputs(x, parents, conv_window)
     if activation not in ("silu", None):
@@ -128,15 +142,16 @@ def tree_causal_conv1d(
         raise ValueError(f"weight must be [{C}, {WIDTH}], got {tuple(weight.shape)}")
     if keep_input is not None and (keep_input.shape != x.shape or not keep_input.is_contiguous()):
         raise ValueError(f"keep_input must be a contiguous {tuple(x.shape)} tensor, got {tuple(keep_input.shape)}")
+    taps = taps_table(parents, nearest)
     if not use_triton(x):
         if keep_input is not None:
             keep_input.copy_(x)
         return tree_causal_conv1d_reference(x, weight, parents, conv_window, activation)
-    x, weight, conv_window, parents = unit_stride(x, weight, conv_window, parents.contiguous())
+    x, weight, conv_window = unit_stride(x, weight, conv_window)
     y = torch.empty(B, N, C, dtype=x.dtype, device=x.device)
     BC = min(1024, triton.next_power_of_2(C))
     _tree_conv_kernel[(triton.cdiv(C, BC), B * N)](
-        x, weight, parents, conv_window, y, y if keep_input is None else keep_input, N, C, *x.stride()[:2],
+        x, weight, taps, conv_window, y, y if keep_input is None else keep_input, N, C, *x.stride()[:2],
         *conv_window.stride()[:2], weight.stride(0), *y.stride()[:2], BC=BC, SILU=activation == "silu",
         KEEP=keep_input is not None)
     return y

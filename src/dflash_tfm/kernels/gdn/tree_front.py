@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from dflash_tfm.kernels import TRITON_INTERPRETED, use_triton
-from dflash_tfm.kernels.conv.tree_conv import tree_conv_row, unit_stride
+from dflash_tfm.kernels.conv.tree_conv import taps_table, tree_conv_row, unit_stride
 from dflash_tfm.kernels.gdn.tree_inputs import (
     check_tree_inputs_args,
     gdn_tree_inputs_reference,
@@ -39,7 +39,7 @@ MAX_BLOCK = 2048
 
 
 @triton.jit
-def _qk_rows(proj, weight, parents, window, keep, b, rows, c0, N, sp_b, sp_n, sw_b, sw_c, swt_c, store_keep,
+def _qk_rows(proj, weight, nearest, window, keep, b, rows, c0, N, sp_b, sp_n, sw_b, sw_c, swt_c, store_keep,
              C: tl.constexpr, DK: tl.constexpr, KEEP: tl.constexpr):
     """q or k rows ``rows`` (channels c0 … c0 + DK of the conv input) as the inputs kernel makes them: tree conv,
     SiLU, L2 norm, each rounded to the model dtype; [BT, DK] in that dtype, zero past N. KEEP and store_keep:
@@ -48,14 +48,14 @@ def _qk_rows(proj, weight, parents, window, keep, b, rows, c0, N, sp_b, sp_n, sw
     rm = (rows < N)[:, None]
     offs_c = c0 + tl.arange(0, DK)[None, :]
     cm = rm & (offs_c < C)
-    acc = tree_conv_row(proj, weight, parents, window, keep, b, tl.minimum(rows, N - 1)[:, None], N, C, offs_c, cm,
+    acc = tree_conv_row(proj, weight, nearest, window, keep, b, tl.minimum(rows, N - 1)[:, None], N, C, offs_c, cm,
                         cm & store_keep, sp_b, sp_n, sw_b, sw_c, swt_c, KEEP)
     return l2_normalize_rows(round_to(acc * tl.sigmoid(acc), dt), dt).to(dt)
 
 
 @triton.jit(do_not_specialize=["N", "W", "NB", "NP", "GRAM_PROGRAMS"])  # one compile for every tree size
 def _gdn_tree_front_kernel(
-    proj, weight, parents, window, a_log, dt_bias, bits, y, keep, beta, g, kk, qk, G,
+    proj, weight, nearest, window, a_log, dt_bias, bits, y, keep, beta, g, kk, qk, G,
     N, W, NB, HK, R, NP, GRAM_PROGRAMS, scale, sp_b, sp_n, sw_b, sw_c, swt_c,
     C: tl.constexpr, QK: tl.constexpr, VD: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr,
     BC: tl.constexpr, HVP: tl.constexpr, RP: tl.constexpr, BT: tl.constexpr, KEEP: tl.constexpr,
@@ -68,7 +68,7 @@ def _gdn_tree_front_kernel(
     if pid >= GRAM_PROGRAMS:
         blocks = tl.cdiv(C - QK, BC) + 1
         node = (pid - GRAM_PROGRAMS) // blocks
-        node_inputs(proj, weight, parents, window, a_log, dt_bias, y, keep, beta, g, node // N, node % N,
+        node_inputs(proj, weight, nearest, window, a_log, dt_bias, y, keep, beta, g, node // N, node % N,
                     QK + ((pid - GRAM_PROGRAMS) % blocks) * BC, N, sp_b, sp_n, sw_b, sw_c, swt_c, C, QK, VD, HV, DK,
                     BC, HVP, KEEP)
     else:
@@ -82,9 +82,9 @@ def _gdn_tree_front_kernel(
         h = bh % HK
         diag = j == i
         rows = i * BT + tl.arange(0, BT)
-        q_i = _qk_rows(proj, weight, parents, window, keep, b, rows, h * DK, N, sp_b, sp_n, sw_b, sw_c, swt_c,
+        q_i = _qk_rows(proj, weight, nearest, window, keep, b, rows, h * DK, N, sp_b, sp_n, sw_b, sw_c, swt_c,
                        diag, C, DK, KEEP)
-        k_i = _qk_rows(proj, weight, parents, window, keep, b, rows, QK // 2 + h * DK, N, sp_b, sp_n, sw_b,
+        k_i = _qk_rows(proj, weight, nearest, window, keep, b, rows, QK // 2 + h * DK, N, sp_b, sp_n, sw_b,
                        sw_c, swt_c, diag, C, DK, KEEP)
         if diag:
             k_j = k_i
@@ -92,7 +92,7 @@ def _gdn_tree_front_kernel(
             tl.store(out, q_i, mask=(rows < N)[:, None])
             tl.store(out + QK // 2, k_i, mask=(rows < N)[:, None])
         else:
-            k_j = _qk_rows(proj, weight, parents, window, keep, b, j * BT + tl.arange(0, BT), QK // 2 + h * DK,
+            k_j = _qk_rows(proj, weight, nearest, window, keep, b, j * BT + tl.arange(0, BT), QK // 2 + h * DK,
                            N, sp_b, sp_n, sw_b, sw_c, swt_c, False, C, DK, KEEP)
         if not NATIVE:  # the Gram dots at PREC take fp32 (the values are exact either way)
             q_i, k_i, k_j = q_i.to(tl.float32), k_i.to(tl.float32), k_j.to(tl.float32)
@@ -107,12 +107,13 @@ def gdn_tree_front(
     proj: torch.Tensor, conv_weight: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
     parents: torch.Tensor, conv_window: torch.Tensor, ancestors: torch.Tensor | None, hk: int, dk: int, hv: int,
     dv: int, scale: float | None = None, block_size: int = 16, gram_native: bool = True,
-    keep_input: torch.Tensor | None = None, G_out: torch.Tensor | None = None,
+    keep_input: torch.Tensor | None = None, G_out: torch.Tensor | None = None, nearest: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, GramTiles]:
     """`gdn_tree_inputs` (same arguments and outputs q, k, v, z, beta, g) plus the chunk solve's `GramTiles`
     for ``gdn_tree_verify(…, gram=…)``, in one launch. ``ancestors``: the step's bitsets (built from parents
     when None); ``scale`` (default dk^-0.5), ``block_size`` and ``gram_native`` as in `gdn_tree_verify`;
-    ``G_out`` (contiguous fp32 ``[B, N, hv]``) receives G. CPU tensors without the interpreter, or a dk that is
+    ``G_out`` (contiguous fp32 ``[B, N, hv]``) receives G; ``nearest``: the step's `nearest_ancestors(parents)` (built
+    when None). CPU tensors without the interpreter, or a dk that is
     not a power of two, run the twin."""
     B, N, C = check_tree_inputs_args(proj, conv_weight, parents, conv_window, hk, dk, hv, dv, keep_input)
     if block_size not in (16, 32):
@@ -122,6 +123,7 @@ def gdn_tree_front(
         raise ValueError(f"G_out must be a contiguous fp32 {(B, N, hv)} tensor, got {tuple(G_out.shape)}")
     scale = dk**-0.5 if scale is None else scale
     bits = (ancestor_bitsets(parents) if ancestors is None else ancestors).contiguous()
+    taps = taps_table(parents, nearest)
     if not use_triton(proj) or dk & (dk - 1):
         q, k, v, z, beta, g = gdn_tree_inputs_reference(proj, conv_weight, A_log, dt_bias, parents, conv_window,
                                                         hk, dk, hv, dv, keep_input)
@@ -144,7 +146,7 @@ def gdn_tree_front(
     # Triton's CPU interpreter gets 16-bit dots wrong (see gdn_tree_verify): there the Gram dots stay fp32
     native = gram_native and not TRITON_INTERPRETED and proj.dtype in (torch.bfloat16, torch.float16)
     _gdn_tree_front_kernel[(gram_programs + (triton.cdiv(C - QK, BC) + 1) * B * N,)](
-        proj, conv_weight, parents.contiguous(), conv_window, A_log, dt_bias, bits, y,
+        proj, conv_weight, taps, conv_window, A_log, dt_bias, bits, y,
         y if keep_input is None else keep_input, beta, g, kk, qk, G,
         N, bits.shape[-1], nb, hk, hv // hk, NP, gram_programs, scale,
         *proj.stride()[:2], *conv_window.stride()[:2], conv_weight.stride(0),
