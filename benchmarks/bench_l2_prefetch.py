@@ -5,10 +5,11 @@ Two windows of a Qwen3.6-27B verify step (`layers/weight_prefetch.py`), each ove
 weights (nothing stays in L2 from one layer to the next), one CUDA graph per variant, median µs per layer:
 
 - mixer: the GDN tree solve (N = rows nodes), then out_proj (rows × 6144 → 5120, 63 MB of bf16 weight);
-  the first P MiB of out_proj (or the same share of every row) prefetched on the main stream before the solve,
-  or on a side stream (`ahead_of`, as the model runs it);
-- short: gate_up (rows × 5120 → 34816), silu · mul, then down (rows × 17408 → 5120, 178 MB), the first P
-  MiB of down prefetched on a side stream while silu · mul runs.
+  P MiB of out_proj in each `l2_prefetch` layout (its first bytes, the start of every row, pieces spread
+  over all of it) prefetched on the main stream before the solve, or on a side stream (`ahead_of`, as the
+  model runs it);
+- short: gate_up (rows × 5120 → 34816), silu · mul, then down (rows × 17408 → 5120, 178 MB), P MiB of down
+  in each layout prefetched on a side stream while silu · mul runs.
 
     python -m benchmarks.bench_l2_prefetch [--rows 65] [--mib 8 16 24 32 40 48] [--short-mib 4 8 16 24]
 """
@@ -22,7 +23,7 @@ import torch.nn.functional as F
 from benchmarks.bench_tree_kernels import DK, DV, HV, gdn_inputs, tree
 from benchmarks.timing import time_graph
 from dflash_tfm.kernels import gdn_tree_verify
-from dflash_tfm.kernels.linear.l2_prefetch import l2_prefetch
+from dflash_tfm.kernels.linear.l2_prefetch import LAYOUTS, l2_prefetch
 from dflash_tfm.layers.mlp import silu_and_mul
 from dflash_tfm.layers.weight_prefetch import ahead_of, prefetching
 
@@ -52,21 +53,21 @@ def mixer_window(rows: int, mibs: list[int]) -> None:
     show("solve", time_graph(gdn, LAYERS))
     show("out_proj", time_graph(gemm, LAYERS))
     show("solve; out_proj", time_graph(lambda l: (gdn(l), gemm(l)), LAYERS))
+    def forked(layer: int) -> None:
+        with ahead_of(weights[layer], "mixer", x):
+            gdn(layer)
+        gemm(layer)
+
     for mib in mibs:
-        for spread in (False, True):
-            def step(layer: int, n: int = mib << 20, s: bool = spread) -> None:
-                l2_prefetch(weights[layer], n, spread_rows=s)
+        for layout in LAYOUTS:
+            def step(layer: int, n: int = mib << 20, lay: str = layout) -> None:
+                l2_prefetch(weights[layer], n, lay)
                 gdn(layer)
                 gemm(layer)
-            show(f"prefetch {mib} MiB{' spread over rows' if spread else ''} (main stream); solve; out_proj",
-                 time_graph(step, LAYERS))
-
-        def forked(layer: int) -> None:
-            with ahead_of(weights[layer], "mixer", x):
-                gdn(layer)
-            gemm(layer)
-        with prefetching(mixer=mib << 20):
-            show(f"prefetch {mib} MiB (side stream, ahead_of) || solve; out_proj", time_graph(forked, LAYERS))
+            show(f"prefetch {mib} MiB {layout} (main stream); solve; out_proj", time_graph(step, LAYERS))
+            with prefetching(mixer=mib << 20, mixer_layout=layout):
+                show(f"prefetch {mib} MiB {layout} (side stream, ahead_of) || solve; out_proj",
+                     time_graph(forked, LAYERS))
 
 
 def short_window(rows: int, mibs: list[int]) -> None:
@@ -84,8 +85,9 @@ def short_window(rows: int, mibs: list[int]) -> None:
           "| variant | µs per layer |\n|---|---|")
     show("gate_up; silu·mul; down", time_graph(mlp, LAYERS))
     for mib in mibs:
-        with prefetching(short=mib << 20):
-            show(f"gate_up; silu·mul || prefetch {mib} MiB of down; down", time_graph(mlp, LAYERS))
+        for layout in LAYOUTS:
+            with prefetching(short=mib << 20, short_layout=layout):
+                show(f"gate_up; silu·mul || prefetch {mib} MiB {layout} of down; down", time_graph(mlp, LAYERS))
 
 
 def main() -> None:

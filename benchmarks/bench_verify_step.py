@@ -4,11 +4,12 @@ its autoregressive decode step (GPU script).
 For N = 1, 16, 65, 129 tree nodes (best-first shaped trees, depth <= 15) below a 1k-token context, the
 verify forward + logits and the commit of a depth-5 path are each captured in a CUDA graph and timed with
 CUDA events after warm-up (median). The AR step is the engine's captured decode step at the same context.
-With several ``--prefetch`` settings (MiB of L2 prefetch in mixer and short windows, layers/weight_prefetch.py),
-AR and verify are timed once per setting, each with its own graphs.
+With several ``--prefetch`` settings (MiB of L2 prefetch in mixer and short windows, optionally followed by
+their `l2_prefetch` layouts; layers/weight_prefetch.py), AR and verify are timed once per setting, each with
+its own graphs.
 
     python benchmarks/bench_verify_step.py --out $OUT/verify_step.json [--kernel chunk|recurrent]
-        [--prefetch 0:0 32:0 32:8]
+        [--prefetch 0:0 32:0 32:8 32:8:strided:prefix]
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from dflash_tfm.layers.attention import decode_attention_choice, verify_attentio
 from dflash_tfm.layers.gated_deltanet import gdn_verify_path_choice
 from dflash_tfm.layers.linear import projection_choice, skinny_projections
 from dflash_tfm.layers.norm import add_norm_rows_choice
-from dflash_tfm.layers.weight_prefetch import prefetch_bytes, prefetching
+from dflash_tfm.layers.weight_prefetch import WINDOWS, prefetch_bytes, prefetch_layouts, prefetching
 from dflash_tfm.loading.loader import build_model
 from dflash_tfm.models.presets import QWEN3_6_27B
 from dflash_tfm.models.random_init import init_random_
@@ -83,14 +84,25 @@ def time_steps(model, cfg: ModelConfig, args: argparse.Namespace, device: torch.
     return results
 
 
+def prefetch_setting(setting: str) -> dict:
+    """"MIXER:SHORT" MiB, or "MIXER:SHORT:MIXER_LAYOUT:SHORT_LAYOUT" -> `prefetching` keyword arguments."""
+    parts = setting.split(":")
+    if len(parts) not in (2, 4):
+        raise SystemExit(f"--prefetch {setting!r}: expected MIXER:SHORT or MIXER:SHORT:MIXER_LAYOUT:SHORT_LAYOUT")
+    sizes = {window: int(mib) << 20 for window, mib in zip(WINDOWS, parts[:2])}
+    return sizes | {f"{window}_layout": layout for window, layout in zip(WINDOWS, parts[2:])}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ns", type=int, nargs="+", default=[1, 16, 65, 129])
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--kernel", default="chunk", choices=["chunk", "recurrent"])
     ap.add_argument("--iters", type=int, default=50)
-    ap.add_argument("--prefetch", nargs="+", default=[":".join(str(b >> 20) for b in prefetch_bytes().values())],
-                    help="MIXER:SHORT MiB of L2 prefetch per window kind (layers/weight_prefetch.py); one run each")
+    current = [str(prefetch_bytes()[w] >> 20) for w in WINDOWS] + [prefetch_layouts()[w] for w in WINDOWS]
+    ap.add_argument("--prefetch", nargs="+", default=[":".join(current)],
+                    help="MIXER:SHORT MiB of L2 prefetch per window kind, optionally :MIXER_LAYOUT:SHORT_LAYOUT "
+                         "(layers/weight_prefetch.py; default: the current settings); one run each")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     cfg = ModelConfig.from_dict(QWEN3_6_27B)
@@ -99,8 +111,7 @@ def main() -> None:
     L = args.context
     results = {"context": L, "kernel": args.kernel, "runs": {}}
     for setting in args.prefetch:
-        mixer, short = (int(m) << 20 for m in setting.split(":"))
-        with prefetching(mixer, short):  # captured into this run's graphs
+        with prefetching(**prefetch_setting(setting)):  # captured into this run's graphs
             results["runs"][setting] = run = time_steps(model, cfg, args, device)
         torch.cuda.empty_cache()  # the finished run's runner, caches and graphs
         print(f"\n| N | verify ms | / AR step | commit ms |  (AR step {run['ar_step_ms']:.2f} ms, context {L}, GDN "

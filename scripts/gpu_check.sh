@@ -4,8 +4,9 @@
 #   device run:  bash scripts/gpu_check.sh            (carry: .whl with fla-core and gguf wheels)
 # Set GPU_CHECK_PARTS to a subset of "tests kernels tree prefetch ar verify draft spec projections profile
 # profile_verify train" to run only those parts, GPU_TESTS to test paths, VERIFY_NS to the verify step's tree
-# sizes, VERIFY_PREFETCH to its L2 prefetch settings (MIXER:SHORT MiB, one run each). All parts take longer than one 10-minute device call: e.g. "tests" in one call, "ar verify spec
-# profile" in the next (the first call of each process also times the measured kernel choices).
+# sizes, VERIFY_PREFETCH to its L2 prefetch settings (MIXER:SHORT MiB, optionally :MIXER_LAYOUT:SHORT_LAYOUT;
+# one run each). All parts take longer than one 10-minute device call: e.g. "tests" in one call, "ar verify
+# spec profile" in the next (the first call of each process also times the measured kernel choices).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}; mkdir -p "$OUT"

@@ -49,15 +49,17 @@ def target(request):
     return model, dtype
 
 
-@pytest.mark.parametrize("prefetch", [0, 1 << 20], ids=["no-prefetch", "l2-prefetch"])
-def test_graph_decode_matches_full_prefill(target, prefetch: int) -> None:
+@pytest.mark.parametrize("prefetch, layout", [(0, "prefix"), (1 << 20, "prefix"), (1 << 20, "rows"),
+                                              (1 << 20, "strided")],
+                         ids=["no-prefetch", "l2-prefix", "l2-rows", "l2-strided"])
+def test_graph_decode_matches_full_prefill(target, prefetch: int, layout: str) -> None:
     """Captured decode steps, with and without the L2 prefetches (side-stream forks) in the graph."""
     model, dtype = target
     ids = torch.randint(0, 256, (90,), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
     ref = full_logits(model, ids)
     runner = ModelRunner(model, max_len=512, device=torch.device("cuda"), use_cuda_graph=True)
     runner.reset()
-    with prefetching(mixer=prefetch, short=prefetch):
+    with prefetching(mixer=prefetch, short=prefetch, mixer_layout=layout, short_layout=layout):
         last, _ = runner.prefill(ids[:60])
         assert rel_err(last, ref[59]) <= TOLERANCE[dtype]
         for t in range(60, 90):
@@ -71,10 +73,10 @@ def test_graph_decode_matches_full_prefill(target, prefetch: int) -> None:
 def test_triton_verify_and_commit_match_plain_decoding(target, paths, monkeypatch) -> None:
     """The GDN verify paths (inputs unfused, fused, or with the Gram tiles in one launch) and split modes of the
     tree attention (forced), and the L2 prefetch of every projection after a mixer or a small op (paths[2]
-    bytes)."""
+    bytes; strided after a mixer, the start of every row after a small op)."""
     monkeypatch.setattr(gated_deltanet.gdn_verify_path_choice, "choices", Always(paths[0]))
     monkeypatch.setattr(attention.verify_attention_choice, "choices", Always(paths[1]))
-    with prefetching(mixer=paths[2], short=paths[2]):
+    with prefetching(mixer=paths[2], short=paths[2], mixer_layout="strided", short_layout="rows"):
         check_verify_and_commit(target)
 
 

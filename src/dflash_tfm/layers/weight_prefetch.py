@@ -4,10 +4,11 @@ A decode or tree-verify step alternates projections that stream a weight larger 
 leave HBM nearly idle: a mixer's recurrence or attention ("mixer" windows: microseconds at decode, tens of
 them in a tree verify) and, between two projections, a norm or silu · mul of a few rows ("short" windows: a
 few µs with the kernel boundaries). `ahead_of(weight, window, x)` wraps such a phase: it forks a side stream
-that asks the copy engine for the weight's first bytes (`kernels/linear/l2_prefetch.py`) once the work
-enqueued before it (the previous projection, whose own streaming would evict them) is done, and joins it back
-when the phase ends, just before the projection. Nothing waits for the data, and no value changes; inside a
-CUDA graph the fork and join are edges. The bytes per window kind are process-wide; 0 turns a kind off.
+that asks the copy engine for part of the weight (`kernels/linear/l2_prefetch.py`: its first bytes, the start
+of every row, or pieces spread over all of it) once the work enqueued before it (the previous projection,
+whose own streaming would evict them) is done, and joins it back when the phase ends, just before the
+projection. Nothing waits for the data, and no value changes; inside a CUDA graph the fork and join are edges.
+The bytes and layout per window kind are process-wide; 0 bytes turn a kind off.
 """
 from __future__ import annotations
 
@@ -16,12 +17,14 @@ from typing import Iterator
 
 import torch
 
-from dflash_tfm.kernels.linear.l2_prefetch import l2_prefetch
+from dflash_tfm.kernels.linear.l2_prefetch import LAYOUTS, l2_prefetch
 
 WINDOWS = ("mixer", "short")
 MAX_ROWS = 128  # phases of more rows (prefill chunks) are compute-bound GEMMs' neighbours: nothing to hide
 DEFAULT_BYTES = {"mixer": 0, "short": 0}  # off until timed on the GPU (docs/PERFORMANCE.md, issue 3)
+DEFAULT_LAYOUTS = {"mixer": "prefix", "short": "prefix"}
 _bytes = dict(DEFAULT_BYTES)
+_layouts = dict(DEFAULT_LAYOUTS)
 _side_streams: dict[int, torch.cuda.Stream] = {}
 
 
@@ -30,19 +33,33 @@ def prefetch_bytes() -> dict[str, int]:
     return dict(_bytes)
 
 
+def prefetch_layouts() -> dict[str, str]:
+    """The `l2_prefetch` layout per window kind."""
+    return dict(_layouts)
+
+
 @contextmanager
-def prefetching(mixer: int | None = None, short: int | None = None) -> Iterator[None]:
-    """Prefetch this many bytes in each kind of window inside this block (None keeps the current setting);
-    graphs captured inside keep what they captured."""
+def prefetching(
+    mixer: int | None = None, short: int | None = None, mixer_layout: str | None = None,
+    short_layout: str | None = None,
+) -> Iterator[None]:
+    """Prefetch this many bytes, in this layout, in each kind of window inside this block (None keeps the
+    current setting); graphs captured inside keep what they captured."""
     new = {name: _bytes[name] if n is None else n for name, n in zip(WINDOWS, (mixer, short))}
     if min(new.values()) < 0:
         raise ValueError(f"prefetch bytes must be >= 0, got {new}")
-    previous = dict(_bytes)
+    chosen = (mixer_layout, short_layout)
+    layouts = {name: _layouts[name] if lay is None else lay for name, lay in zip(WINDOWS, chosen)}
+    if not set(layouts.values()) <= set(LAYOUTS):
+        raise ValueError(f"prefetch layouts must be in {LAYOUTS}, got {layouts}")
+    previous = dict(_bytes), dict(_layouts)
     _bytes.update(new)
+    _layouts.update(layouts)
     try:
         yield
     finally:
-        _bytes.update(previous)
+        _bytes.update(previous[0])
+        _layouts.update(previous[1])
 
 
 def _side_stream(device: torch.device) -> torch.cuda.Stream:
@@ -63,7 +80,7 @@ def ahead_of(weight: torch.Tensor, window: str, x: torch.Tensor) -> Iterator[Non
     main, side = torch.cuda.current_stream(weight.device), _side_stream(weight.device)
     side.wait_stream(main)
     with torch.cuda.stream(side):
-        l2_prefetch(weight, nbytes)
+        l2_prefetch(weight, nbytes, _layouts[window])
     try:
         yield
     finally:
