@@ -109,8 +109,7 @@ def nearest_ancestors(parents: torch.Tensor, count: int = 3) -> torch.Tensor:
     table lets the conv kernels load all taps at once instead of following parent pointers one dependent load
     at a time."""
     flat = parents.reshape(-1, parents.shape[-1])
-    nodes = torch.arange(flat.shape[-1], device=flat.device).expand_as(flat)
-    return ancestor_chain(flat, nodes, count + 1)[..., 1:].to(torch.int32).reshape(*parents.shape, count)
+    return ancestor_chain(flat, flat, count).to(torch.int32).reshape(*parents.shape, count)  # from the parent
 
 
 @dataclass
