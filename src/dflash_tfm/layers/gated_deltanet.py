@@ -177,6 +177,7 @@ class GatedDeltaNet(nn.Module):
         (β/g, tree conv, q/k norm) or one (`gdn_tree_inputs`), then `gdn_tree_verify`; or, for the chunk kernel,
         the inputs with the solve's Gram tiles in one launch (`gdn_tree_front`) and the rest of the solve."""
         parents, ancestors, nearest = tree.parents, tree.ancestors, tree.nearest_ancestors
+
         def solve(q, k, v, z, beta, g, gram=None) -> tuple[torch.Tensor, torch.Tensor, GDNTreeContext]:
             o, ctx = gdn_tree_verify(q, k, v, g, beta, parents, state, kernel=kernel, ancestors=ancestors,
                                      u_out=u_out, G_out=G_out, gram=gram)
