@@ -107,7 +107,7 @@ def test_triton_verify_attention_candidates_match_path_attention(name: str, trit
     from dflash_tfm.layers import attention
 
     x, parents = make_case(1, 9, 6, 2, 32, 80, "best_first", triton_device)
-    key = (*x["q"].shape, 80, 2, x["q"].dtype)
+    key = (*x["q"].shape, 80, 2, x["q"].dtype, False)
     attention.verify_attention_choice.choices[key] = name
     try:
         o = attention.verify_attention(x["q"], x["k_tree"], x["v_tree"], x["k_cache"], x["v_cache"],
@@ -115,6 +115,24 @@ def test_triton_verify_attention_candidates_match_path_attention(name: str, trit
     finally:
         del attention.verify_attention_choice.choices[key]
     assert rel_err(o, path_attention(x, parents, [61], 32**-0.5)) <= 1e-5
+
+
+@pytest.mark.parametrize("splits, tree_split", [(1, False), (4, False), (2, True)])
+def test_triton_output_gate_matches_gated_path_attention(splits: int, tree_split: bool, triton_device: str) -> None:
+    """A gated layer's o · sigmoid(gate), with the gate a strided view (the second half of each head's q
+    projection), applied by the attention kernel (one split) or by the merge (several): the oracle times the
+    gate, and the twin."""
+    x, parents = make_case(2, 12, 6, 2, 32, 64, "random", triton_device)
+    q_and_gate = torch.randn(2, 12, 6, 64, generator=torch.Generator().manual_seed(3)).to(triton_device)
+    gate = q_and_gate[..., 32:]
+    lens = [40, 7]
+    cache_len = torch.tensor(lens, device=triton_device)
+    o = tree_attention(**x, cache_len=cache_len, num_splits=splits, tree_split=tree_split, gate=gate)
+    oracle = path_attention(x, parents, lens, 32**-0.5) * torch.sigmoid(gate.cpu().double())
+    assert o.shape == x["q"].shape and rel_err(o, oracle) <= 1e-5
+    assert rel_err(o, tree_attention_reference(**x, cache_len=cache_len, gate=gate)) <= 1e-5
+    with pytest.raises(ValueError, match=r"gate must be q's shape"):
+        tree_attention(**x, cache_len=cache_len, gate=gate[:, :11])
 
 
 def test_triton_more_than_64_nodes(triton_device: str) -> None:
@@ -165,12 +183,16 @@ def test_validation_errors() -> None:
 @pytest.mark.parametrize("N", [16, 65, 129])
 def test_gpu_matches_twin_27b_shapes(N: int) -> None:
     """Qwen3.6-27B attention: 24 query heads, 4 kv heads, head_dim 256, cache 4096, bf16; default tiles,
-    128-row tiles with 2 pipeline stages, and 8 cache splits with a tree-only split."""
+    128-row tiles with 2 pipeline stages, and 8 cache splits with a tree-only split; and the output gate."""
     x, _ = make_case(1, N, 24, 4, 256, 4096, "best_first", "cuda", torch.bfloat16)
     for cache_len in (4000, torch.tensor([4096], device="cuda"), 0):
         ref = tree_attention_reference(**x, cache_len=cache_len)
         for options in ({}, {"block_m": 128, "num_stages": 2, "num_splits": 4}, {"num_splits": 8, "tree_split": True}):
             assert rel_err(tree_attention(**x, cache_len=cache_len, **options), ref) <= 2e-2
+    gate = torch.randn(1, N, 24, 512, device="cuda", dtype=torch.bfloat16)[..., 256:]  # Qwen3.6's gated q rows
+    for splits in (1, 4):
+        ref = tree_attention_reference(**x, cache_len=4000, gate=gate)
+        assert rel_err(tree_attention(**x, cache_len=4000, num_splits=splits, gate=gate), ref) <= 2e-2
 
 
 @pytest.mark.gpu

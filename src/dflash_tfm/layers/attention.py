@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash_tfm.config import ModelConfig
+from dflash_tfm.kernels.attention.reference import sigmoid_gate_reference
 from dflash_tfm.kernels.attention.tree_attention import tree_attention
 from dflash_tfm.layers.compile import fuse_on_cuda
 from dflash_tfm.layers.linear import linear
@@ -41,13 +42,12 @@ class Attention(nn.Module):
         self, qkv: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """qkv [B, T, q|k|v] (the normed input times `in_weight`) -> q [B, T, H, D], k, v [B, T, Hkv, D] (normed,
-        rotated) and the output gate."""
+        rotated) and the output gate [B, T, H, D] (a strided view of qkv: nothing copies it)."""
         B, T, _ = qkv.shape
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         gate = None
         if self.gated:
             q, gate = q.view(B, T, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
-            gate = gate.reshape(B, T, -1)
         q = q.reshape(B, T, self.num_heads, self.head_dim)
         k = k.view(B, T, self.num_kv_heads, self.head_dim)
         v = v.view(B, T, self.num_kv_heads, self.head_dim)
@@ -58,8 +58,7 @@ class Attention(nn.Module):
 
     def output_gate(self, o: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
         """o [B, T, H, D] -> o_proj's input [B, T, H·D], through the sigmoid gate (if any)."""
-        o = o.reshape(*o.shape[:2], -1)
-        return o if gate is None else sigmoid_gate(o, gate)
+        return o.reshape(*o.shape[:2], -1) if gate is None else sigmoid_gate(o, gate)
 
     def forward(
         self,
@@ -100,11 +99,11 @@ class Attention(nn.Module):
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """Tree nodes (their projections qkv [B, N, q|k|v]) at `positions` (L + depth) attend to the L cached
         keys plus their ancestors-and-self (`ancestors` bitsets [B, N, W]). The cache is only read; the nodes'
-        K/V are returned for `commit`."""
+        K/V are returned for `commit`. The output gate, if any, is applied by the attention kernel itself."""
         with ahead_of(self.o_proj, "mixer", qkv):
             q, k, v, gate = self.project(qkv, positions, rope)
-            o = self.output_gate(verify_attention(q, k, v, k_cache, v_cache, cache_len, ancestors, self.scale), gate)
-        return linear(o, self.o_proj), (k, v)
+            o = verify_attention(q, k, v, k_cache, v_cache, cache_len, ancestors, self.scale, gate)
+        return linear(o.reshape(*o.shape[:2], -1), self.o_proj), (k, v)
 
 
 @fuse_on_cuda
@@ -130,7 +129,8 @@ def k_norm_rope(
 
 @fuse_on_cuda
 def sigmoid_gate(o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-    return o * torch.sigmoid(gate)
+    """o, gate [B, T, H, D] (gate strided) -> o · sigmoid(gate) as [B, T, H·D], in fp32 like the tree kernel."""
+    return sigmoid_gate_reference(o, gate).reshape(*o.shape[:2], -1)
 
 
 @fuse_on_cuda
@@ -192,22 +192,22 @@ VERIFY_TIMING_KEYS = 2048  # cached keys the candidates are timed over (one veri
 
 def verify_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-    cache_len: int | torch.Tensor, ancestors: torch.Tensor, scale: float,
+    cache_len: int | torch.Tensor, ancestors: torch.Tensor, scale: float, gate: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """`tree_attention` of the tree nodes with its own split heuristic or a fixed number of cache splits
-    (and key and row tiles), whichever measured fastest for the shape. Fewer splits write fewer fp32 partial outputs for the merge
-    (8 splits of a 65-node tree: 13 MB per layer, three times the K/V read at a 1k context), more keep
-    more SMs busy. The candidates are timed over `VERIFY_TIMING_KEYS` cached keys rather than the caller's
+    """`tree_attention` of the tree nodes (times sigmoid(gate), if given) with its own split heuristic or a fixed
+    number of cache splits (and key and row tiles), whichever measured fastest for the shape. Fewer splits
+    write fewer fp32 partial outputs for the merge (8 splits of a 65-node tree: 13 MB per layer, three times
+    the K/V read at a 1k context), more keep more SMs busy. The candidates are timed over `VERIFY_TIMING_KEYS` cached keys rather than the caller's
     length: the choice is made at the first verify (the prompt's length) and then serves every length."""
     def run(tile: dict | None = None, length: int | torch.Tensor = cache_len) -> torch.Tensor:
-        return tree_attention(q, k_cache, v_cache, length, k, v, ancestors, scale, **(tile or {}))
+        return tree_attention(q, k_cache, v_cache, length, k, v, ancestors, scale, gate=gate, **(tile or {}))
 
     def candidates() -> dict:
         length = torch.full((q.shape[0],), min(k_cache.shape[1], VERIFY_TIMING_KEYS), device=q.device)
         return {"tree_kernel": lambda: run(length=length)} | {
             name: (lambda t=t: run(t, length)) for name, t in VERIFY_TILES.items()}
 
-    key = (*q.shape, k_cache.shape[1], k_cache.shape[2], q.dtype)
+    key = (*q.shape, k_cache.shape[1], k_cache.shape[2], q.dtype, gate is not None)
     name = verify_attention_choice.pick(key, candidates, can_time=q.is_cuda)
     return run(VERIFY_TILES.get(name))
 

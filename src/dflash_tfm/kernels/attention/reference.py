@@ -17,7 +17,7 @@ from dflash_tfm.spec.tree import unpack_bitsets
 
 def check_tree_attention_inputs(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_tree: torch.Tensor, v_tree: torch.Tensor,
-    ancestor_bitsets: torch.Tensor,
+    ancestor_bitsets: torch.Tensor, gate: torch.Tensor | None = None,
 ) -> tuple[int, int, int, int, int, int]:
     """Validate shapes (no host sync) and return ``(B, N, H, Hkv, D, S)``."""
     if q.dim() != 4:
@@ -36,6 +36,8 @@ def check_tree_attention_inputs(
     if tuple(ancestor_bitsets.shape) != (B, N, words) or ancestor_bitsets.dtype != torch.int64:
         raise ValueError(f"ancestor_bitsets must be int64 [{B}, {N}, {words}], got "
                          f"{ancestor_bitsets.dtype} {tuple(ancestor_bitsets.shape)}")
+    if gate is not None and gate.shape != q.shape:
+        raise ValueError(f"gate must be q's shape {tuple(q.shape)}, got {tuple(gate.shape)}")
     return B, N, H, Hkv, D, S
 
 
@@ -49,9 +51,11 @@ def cache_lengths(cache_len: int | torch.Tensor, B: int, device: torch.device) -
 def tree_attention_reference(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_len: int | torch.Tensor,
     k_tree: torch.Tensor, v_tree: torch.Tensor, ancestor_bitsets: torch.Tensor, scale: float | None = None,
+    gate: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """SDPA in fp32 with mask ``[cache slot < L | j ∈ anc⁺(i)]``. Returns ``o [B, N, H, D]`` in q's dtype."""
-    B, N, H, Hkv, D, S = check_tree_attention_inputs(q, k_cache, v_cache, k_tree, v_tree, ancestor_bitsets)
+    """SDPA in fp32 with mask ``[cache slot < L | j ∈ anc⁺(i)]``. Returns ``o [B, N, H, D]`` in q's dtype, or
+    with ``gate`` (q's shape) ``o · sigmoid(gate)``, computed in fp32 from the rounded o."""
+    B, N, H, Hkv, D, S = check_tree_attention_inputs(q, k_cache, v_cache, k_tree, v_tree, ancestor_bitsets, gate)
     scale = D**-0.5 if scale is None else scale
     L = cache_lengths(cache_len, B, q.device)
     in_cache = (torch.arange(S, device=q.device) < L[:, None])[:, None, :].expand(B, N, S)
@@ -60,4 +64,10 @@ def tree_attention_reference(
     values = torch.cat([v_cache, v_tree], dim=1).float().repeat_interleave(H // Hkv, dim=2)
     o = F.scaled_dot_product_attention(
         q.float().transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask[:, None], scale=scale)
-    return o.transpose(1, 2).to(q.dtype)
+    o = o.transpose(1, 2).to(q.dtype)
+    return o if gate is None else sigmoid_gate_reference(o, gate)
+
+
+def sigmoid_gate_reference(o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """``o · sigmoid(gate)`` in fp32, rounded once to o's dtype: what the model's fused gate computes."""
+    return (o.float() * torch.sigmoid(gate.float())).to(o.dtype)

@@ -5,7 +5,8 @@ block are (node, query head of the group) pairs, so GQA query heads share every 
 split runs an online softmax (fp32) over its slice of the cache; the last split also covers the N tree
 keys, masked by the ancestor bitsets, so every row has at least one key (itself) — or, with ``tree_split``,
 one more split covers only the tree keys, so no program walks a cache slice and the tree. With more than one
-split the partial outputs and log-sum-exps are merged by a second small kernel. Shapes: ``reference.py``.
+split the partial outputs and log-sum-exps are merged by a second small kernel. A gated attention layer's
+output gate (``o · sigmoid(gate)``) is applied by whichever kernel stores the output. Shapes: ``reference.py``.
 """
 from __future__ import annotations
 
@@ -33,16 +34,25 @@ def _online_softmax_step(acc, m_i, l_i, q, k_tile, v_tile, allowed, qk_scale):
 
 
 @triton.jit
+def _gated(out, gate_ptrs, mask, dt: tl.constexpr):
+    """out rounded to dt, times sigmoid of the gate at ``gate_ptrs`` (out's shape), in fp32: as the unfused
+    layer's gate computes it from the stored output."""
+    g = tl.load(gate_ptrs, mask=mask, other=0.0).to(tl.float32)
+    return out.to(dt).to(tl.float32) * tl.sigmoid(g)
+
+
+@triton.jit
 def _tree_attention_kernel(
-    q, k_cache, v_cache, lens, k_tree, v_tree, bits, o, o_part, lse_part,
+    q, k_cache, v_cache, lens, k_tree, v_tree, bits, gate, o, o_part, lse_part,
     N, H, HKV, W, qk_scale,
     sq_b, sq_n, sq_h, sc_b, sc_s, sc_h, svc_b, svc_s, svc_h, st_b, st_n, st_h, svt_b, svt_n, svt_h,
+    sg_b, sg_n, sg_h,
     G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-    SPLITS: tl.constexpr, TREE_PART: tl.constexpr,
+    SPLITS: tl.constexpr, TREE_PART: tl.constexpr, GATED: tl.constexpr,
 ):
     """Grid (cdiv(N·G, BM), B·HKV, P) with P = SPLITS cache splits + TREE_PART (0 or 1) tree-only split; the
     last of the P takes the tree keys. o: [B, N, H, D]; o_part: [P, B, N, H, D] fp32, lse_part: [P, B, N, H]
-    fp32 (log2 domain), used only when P > 1."""
+    fp32 (log2 domain), used only when P > 1. GATED (P = 1): o · sigmoid(gate), gate [B, N, H, D] strided."""
     b = tl.program_id(1) // HKV
     kvh = tl.program_id(1) % HKV
     split = tl.program_id(2)
@@ -79,6 +89,9 @@ def _tree_attention_kernel(
         acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, q_t, k_t, v_t, allowed, qk_scale)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     if SPLITS + TREE_PART == 1:
+        if GATED:
+            rows = gate + b * sg_b + node * sg_n + head * sg_h
+            out = _gated(out, rows[:, None] + offs_d[None, :], rm[:, None] & dm[None, :], o.dtype.element_ty)
         tl.store(o + ((b * N + node[:, None]) * H + head[:, None]) * D + offs_d[None, :],
                  out.to(o.dtype.element_ty), mask=rm[:, None] & dm[None, :])
     else:
@@ -88,9 +101,10 @@ def _tree_attention_kernel(
 
 
 @triton.jit
-def _merge_splits_kernel(o_part, lse_part, o, ROWS, PARTS, D: tl.constexpr, BD: tl.constexpr, BP: tl.constexpr):
+def _merge_splits_kernel(o_part, lse_part, gate, o, ROWS, PARTS, N, H, sg_b, sg_n, sg_h, D: tl.constexpr,
+                         BD: tl.constexpr, BP: tl.constexpr, GATED: tl.constexpr):
     """Grid (B·N·H,). Softmax-weighted sum of the PARTS split outputs (BP = next power of 2) of one (node, head)
-    row."""
+    row; GATED: times sigmoid(gate) as in `_tree_attention_kernel`."""
     r = tl.program_id(0)
     offs_s = tl.arange(0, BP)
     sm = offs_s < PARTS
@@ -100,6 +114,9 @@ def _merge_splits_kernel(o_part, lse_part, o, ROWS, PARTS, D: tl.constexpr, BD: 
     part = tl.load(o_part + (offs_s[:, None] * ROWS + r) * D + offs_d[None, :],
                    mask=sm[:, None] & (offs_d[None, :] < D), other=0.0)
     out = tl.sum(part * w[:, None], axis=0) / tl.sum(w, axis=0)
+    if GATED:  # r = (b·N + node)·H + head
+        row = gate + (r // (N * H)) * sg_b + (r // H % N) * sg_n + (r % H) * sg_h
+        out = _gated(out, row + offs_d, offs_d < D, o.dtype.element_ty)
     tl.store(o + r * D + offs_d, out.to(o.dtype.element_ty), mask=offs_d < D)
 
 
@@ -118,7 +135,7 @@ def tree_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_len: int | torch.Tensor,
     k_tree: torch.Tensor, v_tree: torch.Tensor, ancestor_bitsets: torch.Tensor, scale: float | None = None,
     num_splits: int | None = None, block_n: int | None = None, block_m: int | None = None,
-    num_stages: int | None = None, tree_split: bool = False,
+    num_stages: int | None = None, tree_split: bool = False, gate: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of N tree nodes over the committed cache plus their ancestors-and-self (GQA).
 
@@ -129,18 +146,21 @@ def tree_attention(
     the (node, head) rows per program (default: as few as the rows need, ≤ 64), ``num_stages`` Triton's
     software pipelining depth of the key loop, ``tree_split`` gives the tree keys a split of their own (with
     more than one cache split: the last one then walks its cache slice only). Returns ``o [B, N, H, D]`` in q's
-    dtype.
+    dtype; with ``gate`` (q's shape, any strides: e.g. the gate half of a gated layer's q projection)
+    ``o · sigmoid(gate)`` instead, computed in fp32 from the rounded o, so the layer needs no gate kernel.
     """
-    B, N, H, Hkv, D, S = check_tree_attention_inputs(q, k_cache, v_cache, k_tree, v_tree, ancestor_bitsets)
+    B, N, H, Hkv, D, S = check_tree_attention_inputs(q, k_cache, v_cache, k_tree, v_tree, ancestor_bitsets, gate)
     scale = D**-0.5 if scale is None else scale
     if block_n not in (None, 16, 32, 64):
         raise ValueError(f"block_n must be 16, 32 or 64, got {block_n}")
     if block_m not in (None, 16, 32, 64, 128):
         raise ValueError(f"block_m must be 16, 32, 64 or 128, got {block_m}")
     if not use_triton(q):
-        return tree_attention_reference(q, k_cache, v_cache, cache_len, k_tree, v_tree, ancestor_bitsets, scale)
+        return tree_attention_reference(q, k_cache, v_cache, cache_len, k_tree, v_tree, ancestor_bitsets, scale, gate)
     q, k_cache, v_cache, k_tree, v_tree = (
         t if t.stride(-1) == 1 else t.contiguous() for t in (q, k_cache, v_cache, k_tree, v_tree))
+    gated = gate is not None
+    gate = (gate if gate.stride(-1) == 1 else gate.contiguous()) if gated else q
     lens = cache_lengths(cache_len, B, q.device).contiguous()
     G = H // Hkv
     BD = max(16, triton.next_power_of_2(D))
@@ -160,14 +180,14 @@ def tree_attention(
     o_part = torch.empty(*part_shape, D, dtype=torch.float32, device=q.device)
     lse_part = torch.empty(part_shape, dtype=torch.float32, device=q.device)
     _tree_attention_kernel[(m_blocks, B * Hkv, parts)](
-        q, k_cache, v_cache, lens, k_tree, v_tree, ancestor_bitsets.contiguous(), o, o_part, lse_part,
+        q, k_cache, v_cache, lens, k_tree, v_tree, ancestor_bitsets.contiguous(), gate, o, o_part, lse_part,
         N, H, Hkv, ancestor_bitsets.shape[-1], scale * math.log2(math.e),
         *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3], *k_tree.stride()[:3], *v_tree.stride()[:3],
-        G=G, D=D, BD=BD, BM=BM, BN=BN, SPLITS=splits, TREE_PART=tree_part, num_warps=8 if BD >= 128 else 4,
-        **({} if num_stages is None else {"num_stages": num_stages}))
+        *gate.stride()[:3], G=G, D=D, BD=BD, BM=BM, BN=BN, SPLITS=splits, TREE_PART=tree_part, GATED=gated,
+        num_warps=8 if BD >= 128 else 4, **({} if num_stages is None else {"num_stages": num_stages}))
     if parts > 1:
-        _merge_splits_kernel[(B * N * H,)](o_part, lse_part, o, B * N * H, parts, D=D, BD=BD,
-                                           BP=triton.next_power_of_2(parts))
+        _merge_splits_kernel[(B * N * H,)](o_part, lse_part, gate, o, B * N * H, parts, N, H, *gate.stride()[:3],
+                                           D=D, BD=BD, BP=triton.next_power_of_2(parts), GATED=gated)
     return o
 
 
