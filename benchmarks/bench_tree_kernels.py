@@ -6,7 +6,7 @@ call for all 48 GDN layers, each layer with its own 3 MiB fp32 state (more than 
 state traffic of a real verify step and no launch overhead; reported as the median µs per layer. The
 ancestor bitsets and the conv's ancestor table are built once per step outside the timed region, as the engine
 does. Then the verify from in_proj's output: the verify inputs alone, inputs + solve, and the one-launch front
-(inputs + Gram tiles) + solve. Also:
+(inputs + Gram tiles) + the split or the serial solve. Also:
 tree attention (24 q / 4 kv heads, head_dim 256, cache 4096, 16 attention layers) and the tree conv
 (C = 10240) at N = 65.
 Prints markdown tables; the KERNELS.md target is ≤ 45 µs per GDN layer at N = 65.
@@ -109,8 +109,8 @@ def bench_front(ns: list[int], layers: int) -> None:
     A_log, dt_bias = (torch.randn(HV, generator=gen, device="cuda") for _ in range(2))
     states = [0.5 * torch.randn(1, HV, DK, DV, device="cuda") for _ in range(layers)]
     print(f"\n### GDN verify from in_proj's output, µs per layer ({layers} layers per graph)\n")
-    print("| N | inputs alone | inputs + solve | front + solve | o rel diff |")
-    print("|---|---|---|---|---|")
+    print("| N | inputs alone | inputs + solve | front + solve | front + serial solve | o rel diff |")
+    print("|---|---|---|---|---|---|")
     for n in ns:
         proj = torch.randn(1, n, proj_dim, generator=gen, device="cuda").bfloat16()
         parents, bits, _ = tree(n)
@@ -121,15 +121,18 @@ def bench_front(ns: list[int], layers: int) -> None:
             q, k, v, z, beta, g = gdn_tree_inputs(*args, HK, DK, HV, DV, nearest=nearest)
             return gdn_tree_verify(q, k, v, g, beta, parents, states[layer], ancestors=bits)[0]
 
-        def front(layer: int):
+        def front(layer: int, solve: str = "split"):
             q, k, v, z, beta, g, gram = gdn_tree_front(*args, bits, HK, DK, HV, DV, nearest=nearest)
-            return gdn_tree_verify(q, k, v, g, beta, parents, states[layer], ancestors=bits, gram=gram)[0]
+            return gdn_tree_verify(q, k, v, g, beta, parents, states[layer], ancestors=bits, gram=gram,
+                                   solve=solve)[0]
 
         o_separate = separate(0).float()
-        diff = ((front(0).float() - o_separate).abs().max() / o_separate.abs().max()).item()
+        diff = max(((front(0, solve).float() - o_separate).abs().max() / o_separate.abs().max()).item()
+                   for solve in ("split", "subst"))
         inputs = time_graph(lambda layer: gdn_tree_inputs(*args, HK, DK, HV, DV, nearest=nearest), layers)
+        serial = time_graph(lambda layer: front(layer, "subst"), layers)
         print(f"| {n} | {inputs:.1f} | {time_graph(separate, layers):.1f} | {time_graph(front, layers):.1f} | "
-              f"{diff:.1e} |", flush=True)
+              f"{serial:.1f} | {diff:.1e} |", flush=True)
 
 
 SWEEP_BASE = {"solve": "split", "precision": "tf32x3", "block_v": 16, "solve_width": 64}

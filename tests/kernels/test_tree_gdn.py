@@ -182,6 +182,8 @@ CHUNK_OPTIONS = [
     (40, {"gram_pairs": True, "precision": "tf32x3", "block_v": 16}),
     (40, {"block_size": 32, "block_v": 64, "num_warps": 4, "num_stages": 1, "solve_precision": "tf32x3"}),
     (70, {"gram_native": True, "gram_pairs": False}),  # fp32 inputs here: the flag must leave them at fp32
+    (70, {"solve": "subst"}),  # the serial solver: the whole substitution in one launch after the Gram tiles
+    (21, {"solve": "subst", "block_size": 32, "block_v": 16, "solve_precision": "tf32x3"}),
 ]
 
 
@@ -252,6 +254,7 @@ GPU_OPTIONS = [
     {"precision": "tf32x3", "block_v": 16},
     {"gram_native": True},
     {"gram_native": True, "gram_pairs": False},
+    {"solve": "subst"},
 ]
 
 

@@ -68,10 +68,12 @@ def test_graph_decode_matches_full_prefill(target, prefetch: int, layout: str) -
 
 
 @pytest.mark.parametrize("paths", [("unfused", "tree_kernel", 0), ("fused", "tree_kernel s1", 0),
-                                   ("front", "tree_kernel s4 ts", 0), ("fused", "tree_kernel", 1 << 20)],
-                         ids=["unfused", "fused-s1", "front-tree-split", "l2-prefetch"])
+                                   ("front", "tree_kernel s4 ts", 0), ("front serial", "tree_kernel s8", 0),
+                                   ("fused", "tree_kernel", 1 << 20)],
+                         ids=["unfused", "fused-s1", "front-tree-split", "front-serial-s8", "l2-prefetch"])
 def test_triton_verify_and_commit_match_plain_decoding(target, paths, monkeypatch) -> None:
-    """The GDN verify paths (inputs unfused, fused, or with the Gram tiles in one launch) and split modes of the
+    """The GDN verify paths (inputs unfused, fused, or with the Gram tiles in one launch, then the split or the
+    serial solver) and split modes of the
     tree attention (forced), and the L2 prefetch of every projection after a mixer or a small op (paths[2]
     bytes; strided after a mixer, the start of every row after a small op)."""
     monkeypatch.setattr(gated_deltanet.gdn_verify_path_choice, "choices", Always(paths[0]))

@@ -63,6 +63,7 @@ def snapshot(cache) -> list[torch.Tensor]:
     "shape, n, gdn_kernel, gdn_path",
     [("chain", 6, "chunk", "unfused"), ("star", 7, "chunk", "unfused"), ("binary", 15, "chunk", "fused"),
      ("random", 20, "chunk", "unfused"), ("best_first", 18, "chunk", "unfused"), ("best_first", 18, "chunk", "front"),
+     ("best_first", 18, "chunk", "front serial"),
      ("random", 12, "recurrent", "fused")],
 )
 def test_verify_matches_plain_decoding_and_commit_continues_it(model, shape: str, n: int, gdn_kernel: str,

@@ -64,6 +64,7 @@ fused_split_projection = fuse_on_cuda(split_projection)
 fused_split_heads = fuse_on_cuda(split_heads)
 # How a verify gets from in_proj's output to the tree solve's output (`GatedDeltaNet.tree_solve`): timed whole.
 gdn_verify_path_choice = MeasuredChoice(default="unfused")
+Solved = tuple[torch.Tensor, torch.Tensor, GDNTreeContext]  # a tree solve's (o, z, commit context)
 
 
 @fuse_on_cuda
@@ -171,35 +172,38 @@ class GatedDeltaNet(nn.Module):
     def tree_solve(
         self, proj: torch.Tensor, state: torch.Tensor, conv_window: torch.Tensor, tree: TreeSpec, kernel: str,
         keep_mixed: torch.Tensor | None, u_out: torch.Tensor | None, G_out: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, torch.Tensor, GDNTreeContext]:
+    ) -> Solved:
         """(o, z, commit context) of the tree nodes, by whichever path measured fastest for the shape
         (`gdn_verify_path_choice`, each timed from in_proj's output to the solve's): the inputs as three kernels
         (β/g, tree conv, q/k norm) or one (`gdn_tree_inputs`), then `gdn_tree_verify`; or, for the chunk kernel,
-        the inputs with the solve's Gram tiles in one launch (`gdn_tree_front`) and the rest of the solve."""
+        the inputs with the solve's Gram tiles in one launch (`gdn_tree_front`) and the rest of the solve, by the
+        split solver (state products, then the substitution: two launches) or the serial one (one launch)."""
         parents, ancestors, nearest = tree.parents, tree.ancestors, tree.nearest_ancestors
 
-        def solve(q, k, v, z, beta, g, gram=None) -> tuple[torch.Tensor, torch.Tensor, GDNTreeContext]:
+        def solve(q, k, v, z, beta, g, gram=None, solver="split") -> Solved:
             o, ctx = gdn_tree_verify(q, k, v, g, beta, parents, state, kernel=kernel, ancestors=ancestors,
-                                     u_out=u_out, G_out=G_out, gram=gram)
+                                     u_out=u_out, G_out=G_out, gram=gram, solve=solver)
             return o, z, ctx
 
-        def unfused() -> tuple[torch.Tensor, torch.Tensor, GDNTreeContext]:
+        def unfused() -> Solved:
             mixed, z, beta, g = fused_split_projection(
                 proj, self.A_log, self.dt_bias, self.conv_dim, self.hv, self.dv)
             conv_out = tree_causal_conv1d(mixed, self.conv_weight, parents, conv_window, keep_input=keep_mixed,
                                           nearest=nearest)
             return solve(*fused_split_heads(conv_out, self.hk, self.dk, self.hv, self.dv), z, beta, g)
 
-        def fused() -> tuple[torch.Tensor, torch.Tensor, GDNTreeContext]:
+        def fused() -> Solved:
             return solve(*gdn_tree_inputs(proj, self.conv_weight, self.A_log, self.dt_bias, parents, conv_window,
                                           self.hk, self.dk, self.hv, self.dv, keep_input=keep_mixed, nearest=nearest))
 
-        def front() -> tuple[torch.Tensor, torch.Tensor, GDNTreeContext]:
+        def front(solver: str = "split") -> Solved:
             return solve(*gdn_tree_front(proj, self.conv_weight, self.A_log, self.dt_bias, parents, conv_window,
                                          ancestors, self.hk, self.dk, self.hv, self.dv, keep_input=keep_mixed,
-                                         G_out=G_out, nearest=nearest))
+                                         G_out=G_out, nearest=nearest), solver=solver)
 
-        paths = {"unfused": unfused, "fused": fused} | ({"front": front} if kernel == "chunk" else {})
+        paths = {"unfused": unfused, "fused": fused}
+        if kernel == "chunk":
+            paths |= {"front": front, "front serial": lambda: front("subst")}
         key = (*proj.shape, proj.dtype, self.hk, self.dk, self.hv, self.dv, kernel)
         return paths[gdn_verify_path_choice.pick(key, lambda: paths, can_time=proj.is_cuda)]()
 
