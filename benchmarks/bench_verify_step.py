@@ -6,10 +6,11 @@ verify forward + logits and the commit of a depth-5 path are each captured in a 
 CUDA events after warm-up (median). The AR step is the engine's captured decode step at the same context.
 With several ``--prefetch`` settings (MiB of L2 prefetch in mixer and short windows, optionally followed by
 their `l2_prefetch` layouts; layers/weight_prefetch.py), AR and verify are timed once per setting, each with
-its own graphs.
+its own graphs. ``--prefetch-from`` takes the settings from `bench_l2_prefetch --out`'s best per window:
+none, each window's best alone, and both.
 
     python benchmarks/bench_verify_step.py --out $OUT/verify_step.json [--kernel chunk|recurrent]
-        [--prefetch 0:0 32:0 32:8 32:8:strided:prefix]
+        [--prefetch 0:0 32:0 32:8 32:8:strided:prefix | --prefetch-from l2_prefetch.json]
 """
 from __future__ import annotations
 
@@ -93,6 +94,22 @@ def prefetch_setting(setting: str) -> dict:
     return sizes | {f"{window}_layout": layout for window, layout in zip(WINDOWS, parts[2:])}
 
 
+def settings_from(path: str) -> list[str]:
+    """`--prefetch` settings from `bench_l2_prefetch --out`: no prefetch, each window's best setting alone (where
+    one beat no prefetch there), and both together."""
+    with open(path) as f:
+        found = json.load(f)
+    best = {window: found[window]["best"] for window in WINDOWS}
+
+    def setting(windows: list[str]) -> str:
+        mib = [str(best[w]["mib"]) if w in windows else "0" for w in WINDOWS]
+        layouts = [best[w]["layout"] if w in windows else "prefix" for w in WINDOWS]
+        return ":".join(mib + layouts)
+
+    alone = [setting([w]) for w in WINDOWS if best[w]]
+    return ["0:0"] + alone + ([setting(list(WINDOWS))] if len(alone) == len(WINDOWS) else [])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ns", type=int, nargs="+", default=[1, 16, 65, 129])
@@ -103,6 +120,8 @@ def main() -> None:
     ap.add_argument("--prefetch", nargs="+", default=[":".join(current)],
                     help="MIXER:SHORT MiB of L2 prefetch per window kind, optionally :MIXER_LAYOUT:SHORT_LAYOUT "
                          "(layers/weight_prefetch.py; default: the current settings); one run each")
+    ap.add_argument("--prefetch-from", default=None,
+                    help="JSON of bench_l2_prefetch --out: run no prefetch, each window's best, and both instead")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     cfg = ModelConfig.from_dict(QWEN3_6_27B)
@@ -110,7 +129,7 @@ def main() -> None:
     model = init_random_(build_model(cfg, device, torch.bfloat16, max_positions=args.context + 1024))
     L = args.context
     results = {"context": L, "kernel": args.kernel, "runs": {}}
-    for setting in args.prefetch:
+    for setting in settings_from(args.prefetch_from) if args.prefetch_from else args.prefetch:
         with prefetching(**prefetch_setting(setting)):  # captured into this run's graphs
             results["runs"][setting] = run = time_steps(model, cfg, args, device)
         torch.cuda.empty_cache()  # the finished run's runner, caches and graphs
