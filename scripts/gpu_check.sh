@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one call on the device machine (H200): GPU tests at real sizes, then
 # the benchmarks. Logs and JSON land in $OUT (default ./out); a short table is printed last.
-#   device run:  bash scripts/gpu_check.sh            (carry: .whl with fla-core and gguf wheels)
+#   device run:  bash scripts/gpu_check.sh            (carry: .whl with the fla-core, gguf, nvmath-python wheels)
 # Set GPU_CHECK_PARTS to a subset of "tests kernels tree prefetch ar verify draft spec projections profile
 # profile_verify train" to run only those parts, GPU_TESTS to test paths, VERIFY_NS to the verify step's tree
 # sizes, VERIFY_PREFETCH to its L2 prefetch settings (MIXER:SHORT MiB, optionally :MIXER_LAYOUT:SHORT_LAYOUT;
-# one run each; "auto": none, and the best of the prefetch part per window, alone and together). All parts take longer than one 10-minute device call: e.g. "tests" in one call, "ar verify
-# spec profile" in the next (the first call of each process also times the measured kernel choices).
+# one run each; "auto": none, and the best of the prefetch part per window, alone and together). All parts
+# take longer than one 10-minute device call: e.g. "tests" in one call, "ar verify spec profile" in the next
+# (the first call of each process also times the measured kernel choices).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}; mkdir -p "$OUT"
