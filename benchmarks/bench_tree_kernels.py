@@ -6,9 +6,8 @@ call for all 48 GDN layers, each layer with its own 3 MiB fp32 state (more than 
 state traffic of a real verify step and no launch overhead; reported as the median µs per layer. The
 ancestor bitsets and the conv's ancestor table are built once per step outside the timed region, as the engine
 does. Then the verify from in_proj's output: the verify inputs alone, inputs + solve, and the one-launch front
-(inputs + Gram tiles) + the split or the serial solve. Also:
-tree attention (24 q / 4 kv heads, head_dim 256, cache 4096, 16 attention layers) and the tree conv
-(C = 10240) at N = 65.
+(inputs + Gram tiles) + the split or the serial solve. Also: tree attention (24 q / 4 kv heads, head_dim 256,
+cache 4096, 16 attention layers) and the tree conv (C = 10240) at N = 65.
 Prints markdown tables; the KERNELS.md target is ≤ 45 µs per GDN layer at N = 65.
 
 ``--sweep`` instead times the chunk kernel's tuning options (``gdn_tree_verify`` keyword arguments: solver,
@@ -100,8 +99,9 @@ def bench_gdn(ns: list[int], layers: int) -> None:
 
 
 def bench_front(ns: list[int], layers: int) -> None:
-    """A GDN layer's verify from in_proj's output: the one-launch inputs then the solve, against the inputs with
-    the Gram tiles in one launch (`gdn_tree_front`) then the rest of the solve, as the model's choice times them."""
+    """A GDN layer's verify from in_proj's output: the one-launch inputs alone and then the solve, against the
+    inputs with the Gram tiles in one launch (`gdn_tree_front`) then the rest of the solve (split or serial), as
+    the model's choice times them."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     conv_dim, proj_dim = CONV_CHANNELS, CONV_CHANNELS + HV * DV + 2 * HV
     weight = 0.5 * torch.randn(conv_dim, 4, generator=gen, device="cuda").bfloat16()

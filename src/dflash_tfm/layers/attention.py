@@ -197,8 +197,9 @@ def verify_attention(
     """`tree_attention` of the tree nodes (times sigmoid(gate), if given) with its own split heuristic or a fixed
     number of cache splits (and key and row tiles), whichever measured fastest for the shape. Fewer splits
     write fewer fp32 partial outputs for the merge (8 splits of a 65-node tree: 13 MB per layer, three times
-    the K/V read at a 1k context), more keep more SMs busy. The candidates are timed over `VERIFY_TIMING_KEYS` cached keys rather than the caller's
-    length: the choice is made at the first verify (the prompt's length) and then serves every length."""
+    the K/V read at a 1k context), more keep more SMs busy. The candidates are timed over `VERIFY_TIMING_KEYS`
+    cached keys rather than the caller's length: the choice is made at the first verify (the prompt's length)
+    and then serves every length."""
     def run(tile: dict | None = None, length: int | torch.Tensor = cache_len) -> torch.Tensor:
         return tree_attention(q, k_cache, v_cache, length, k, v, ancestors, scale, gate=gate, **(tile or {}))
 

@@ -1,4 +1,4 @@
-"""Warming L2 with the start of the next projection's weight while the GPU does latency-bound work.
+"""Warming L2 with part of the next projection's weight while the GPU does latency-bound work.
 
 A decode or tree-verify step alternates projections that stream a weight larger than L2 with phases that
 leave HBM nearly idle: a mixer's recurrence or attention ("mixer" windows: microseconds at decode, tens of

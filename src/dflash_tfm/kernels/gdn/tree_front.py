@@ -19,16 +19,22 @@ import torch
 import triton
 import triton.language as tl
 
-from dflash_tfm.kernels import TRITON_INTERPRETED, use_triton
+from dflash_tfm.kernels import use_triton
 from dflash_tfm.kernels.conv.tree_conv import taps_table, tree_conv_row, unit_stride
 from dflash_tfm.kernels.gdn.tree_inputs import (
     check_tree_inputs_args,
     gdn_tree_inputs_reference,
+    input_views,
     l2_normalize_rows,
     node_inputs,
 )
 from dflash_tfm.kernels.gdn.tree_reference import GramTiles, tree_gram_reference
-from dflash_tfm.kernels.gdn.tree_verify import TF32_SOLVE_MIN_NODES, path_decay_rows, store_gram_tile
+from dflash_tfm.kernels.gdn.tree_verify import (
+    default_solve_precision,
+    native_gram_dots,
+    path_decay_rows,
+    store_gram_tile,
+)
 from dflash_tfm.kernels.rounding import round_to
 from dflash_tfm.spec.tree import ancestor_bitsets
 
@@ -112,9 +118,8 @@ def gdn_tree_front(
     """`gdn_tree_inputs` (same arguments and outputs q, k, v, z, beta, g) plus the chunk solve's `GramTiles`
     for ``gdn_tree_verify(…, gram=…)``, in one launch. ``ancestors``: the step's bitsets (built from parents
     when None); ``scale`` (default dk^-0.5), ``block_size`` and ``gram_native`` as in `gdn_tree_verify`;
-    ``G_out`` (contiguous fp32 ``[B, N, hv]``) receives G; ``nearest``: the step's `nearest_ancestors(parents)` (built
-    when None). CPU tensors without the interpreter, or a dk that is
-    not a power of two, run the twin."""
+    ``G_out`` (contiguous fp32 ``[B, N, hv]``) receives G; ``nearest``: the step's `nearest_ancestors(parents)`
+    (built when None). CPU tensors without the interpreter, or a dk that is not a power of two, run the twin."""
     B, N, C = check_tree_inputs_args(proj, conv_weight, parents, conv_window, hk, dk, hv, dv, keep_input)
     if block_size not in (16, 32):
         raise ValueError(f"block_size must be 16 or 32, got {block_size}")
@@ -143,8 +148,6 @@ def gdn_tree_front(
     QK = 2 * hk * dk
     BC = min(MAX_BLOCK, triton.next_power_of_2(C - QK))
     gram_programs = nb * (nb + 1) // 2 * B * hk
-    # Triton's CPU interpreter gets 16-bit dots wrong (see gdn_tree_verify): there the Gram dots stay fp32
-    native = gram_native and not TRITON_INTERPRETED and proj.dtype in (torch.bfloat16, torch.float16)
     _gdn_tree_front_kernel[(gram_programs + (triton.cdiv(C - QK, BC) + 1) * B * N,)](
         proj, conv_weight, taps, conv_window, A_log, dt_bias, bits, y,
         y if keep_input is None else keep_input, beta, g, kk, qk, G,
@@ -152,11 +155,6 @@ def gdn_tree_front(
         *proj.stride()[:2], *conv_window.stride()[:2], conv_weight.stride(0),
         C=C, QK=QK, VD=hv * dv, HV=hv, DK=dk, BC=BC, HVP=triton.next_power_of_2(hv),
         RP=max(16, triton.next_power_of_2(hv // hk)), BT=block_size, KEEP=keep_input is not None,
-        PREC="tf32" if proj.dtype in (torch.bfloat16, torch.float16) and N > TF32_SOLVE_MIN_NODES else "ieee",
-        NATIVE=native,
+        PREC=default_solve_precision(proj.dtype, N), NATIVE=native_gram_dots(gram_native, proj.dtype),
         num_warps=4 if block_size == 16 else 8)
-    q = y[..., : hk * dk].view(B, N, hk, dk)
-    k = y[..., hk * dk: QK].view(B, N, hk, dk)
-    v = y[..., QK:].view(B, N, hv, dv)
-    z = proj[..., C: C + hv * dv].view(B, N, hv, dv)
-    return q, k, v, z, beta, g, GramTiles(kk=kk, qk=qk, G=G)
+    return (*input_views(y, proj, hk, dk, hv, dv), beta, g, GramTiles(kk=kk, qk=qk, G=G))

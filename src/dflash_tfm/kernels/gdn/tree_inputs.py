@@ -134,7 +134,6 @@ def gdn_tree_inputs(
     only read. ``nearest``: the step's `nearest_ancestors(parents)` (built when None). CPU tensors without the
     interpreter, or a dk the kernel cannot tile, run the reference."""
     B, N, C = check_tree_inputs_args(proj, conv_weight, parents, conv_window, hk, dk, hv, dv, keep_input)
-    value_dim = hv * dv
     taps = taps_table(parents, nearest)
     if not use_triton(proj) or not fusable(dk, C):
         return gdn_tree_inputs_reference(proj, conv_weight, A_log, dt_bias, parents, conv_window, hk, dk, hv, dv,
@@ -148,10 +147,16 @@ def gdn_tree_inputs(
         proj, conv_weight, taps, conv_window, A_log, dt_bias, y,
         y if keep_input is None else keep_input, beta, g,
         N, *proj.stride()[:2], *conv_window.stride()[:2], conv_weight.stride(0),
-        C=C, QK=2 * hk * dk, VD=value_dim, HV=hv, DK=dk, BC=BC, HVP=triton.next_power_of_2(hv),
+        C=C, QK=2 * hk * dk, VD=hv * dv, HV=hv, DK=dk, BC=BC, HVP=triton.next_power_of_2(hv),
         KEEP=keep_input is not None, maxnreg=MAX_REGISTERS)
+    return (*input_views(y, proj, hk, dk, hv, dv), beta, g)
+
+
+def input_views(y: torch.Tensor, proj: torch.Tensor, hk: int, dk: int, hv: int, dv: int) -> tuple[torch.Tensor, ...]:
+    """q, k ``[B, N, hk, dk]`` and v ``[B, N, hv, dv]`` as views of the conv output ``y [B, N, conv_dim]``, and z
+    ``[B, N, hv, dv]`` as a view of ``proj``."""
+    B, N, C = y.shape
     q = y[..., : hk * dk].view(B, N, hk, dk)
     k = y[..., hk * dk: 2 * hk * dk].view(B, N, hk, dk)
     v = y[..., 2 * hk * dk:].view(B, N, hv, dv)
-    z = proj[..., C: C + value_dim].view(B, N, hv, dv)
-    return q, k, v, z, beta, g
+    return q, k, v, proj[..., C: C + hv * dv].view(B, N, hv, dv)

@@ -468,6 +468,19 @@ def _gdn_tree_recurrent_kernel(
 
 
 TF32_SOLVE_MIN_NODES = 32  # the default solve runs at tf32 from here on for 16-bit inputs (see gdn_tree_verify)
+HALF_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def default_solve_precision(dtype: torch.dtype, n: int) -> str:
+    """The solve's dots (Gram tiles, block inverses, substitution) by default: "tf32" for 16-bit inputs of more
+    than `TF32_SOLVE_MIN_NODES` nodes, else fp32 "ieee" (see `gdn_tree_verify`)."""
+    return "tf32" if dtype in HALF_DTYPES and n > TF32_SOLVE_MIN_NODES else "ieee"
+
+
+def native_gram_dots(gram_native: bool, dtype: torch.dtype) -> bool:
+    """Whether the Gram dots take 16-bit q, k as they are (``gram_native``). Not under Triton's CPU interpreter,
+    which gets 16-bit dots wrong (garbage, not rounding): there the Gram tiles stay fp32."""
+    return gram_native and not TRITON_INTERPRETED and dtype in HALF_DTYPES
 
 
 def _block_v(dv: int) -> int:
@@ -519,9 +532,8 @@ def gdn_tree_verify(
     """
     B, N, HK, HV, R, dk, dv = check_gdn_tree_inputs(q, k, v, g, beta, parents, initial_state)
     if solve_precision is None:
-        tf32_solve = q.dtype in (torch.bfloat16, torch.float16) and N > TF32_SOLVE_MIN_NODES
-        solve_precision = "tf32" if tf32_solve else "ieee"
-        solve_width = 32 if tf32_solve and solve_width is None else solve_width
+        solve_precision = default_solve_precision(q.dtype, N)
+        solve_width = 32 if solve_precision == "tf32" and solve_width is None else solve_width
     if kernel not in ("chunk", "recurrent"):
         raise ValueError(f"kernel must be 'chunk' or 'recurrent', got {kernel!r}")
     if block_size not in (16, 32):
@@ -585,9 +597,7 @@ def gdn_tree_verify(
     G = torch.empty(B, N, HV, dtype=torch.float32, device=q.device) if G is None else G
     u = torch.empty(B, N, HV, dv, dtype=torch.float32, device=q.device) if u_out is None else u_out
     ctx = GDNTreeContext(initial_state=initial_state, k=k, u=u, G=G)
-    # Triton's CPU interpreter gets 16-bit dots wrong (garbage, not rounding): there the Gram tiles stay fp32
-    native = (gram_native and not TRITON_INTERPRETED and q.dtype in (torch.bfloat16, torch.float16)
-              and k.dtype == q.dtype)
+    native = native_gram_dots(gram_native, q.dtype) and k.dtype == q.dtype
     if gram is not None:
         kk, qk = gram.kk, gram.qk
     elif not fuse_gram:
