@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from dflash_tfm.bench.datasets import SUBSAMPLE_SEED, prepare_dataset
 from dflash_tfm.engine.decoder_factory import DEFAULT_CHILDREN_PER_NODE, build_proposer
-from dflash_tfm.engine.sampler import make_generator
+from dflash_tfm.sampling import make_generator
 from dflash_tfm.sampling_params import SamplingParams
 
 

@@ -60,3 +60,30 @@ def test_committed_bundle_is_lossless_and_accepts(smollm2: Engine, algo: str) ->
         smollm2.decoder = ar_decoder
     assert spec.token_ids == plain.token_ids
     assert spec.stats.accept_length > 1.3, spec.stats.accept_length
+
+
+NEAR_GREEDY = [dict(temperature=1e-37), dict(temperature=1e-40), dict(temperature=1.0, top_p=1e-46),
+               dict(temperature=2e-6, top_p=0.5)]
+
+
+@pytest.mark.parametrize("algo", ["DFLASH", "DDTREE", "DFLASH_TFM"])
+def test_extreme_sampling_values_decode_greedily(smollm2: Engine, algo: str) -> None:
+    """Temperatures and top-p values too small to compute with are greedy in every mode: the output equals
+    plain greedy decoding token for token (before they were, DFLASH_TFM emitted token 0 out of NaN draws).
+    The trained bundle accepts long paths, so the acceptance walk is exercised, not just the bonus token."""
+    from dflash_tfm.loading.default_model import DEFAULT_BUNDLE
+
+    greedy = smollm2.generate(GSM8K_STYLE, SamplingParams(max_new_tokens=24, ignore_eos=True)).token_ids
+    ar_decoder = smollm2.decoder
+    try:
+        for settings in NEAR_GREEDY:
+            params = SamplingParams(max_new_tokens=24, ignore_eos=True, seed=0, **settings)
+            assert params.greedy
+            assert smollm2.generate(GSM8K_STYLE, params).token_ids == greedy, f"AR {settings}"
+        smollm2.decoder = build_decoder(smollm2.runner, smollm2.config, algo, DEFAULT_BUNDLE / "dflash",
+                                        DEFAULT_BUNDLE / "weaver.pth", 64, None, "chunk")
+        for settings in NEAR_GREEDY:
+            params = SamplingParams(max_new_tokens=24, ignore_eos=True, seed=0, **settings)
+            assert smollm2.generate(GSM8K_STYLE, params).token_ids == greedy, f"{algo} {settings}"
+    finally:
+        smollm2.decoder = ar_decoder

@@ -17,7 +17,7 @@ import dflash_tfm.engine.speculative as speculative
 from dflash_tfm.config import ModelConfig
 from dflash_tfm.engine.decoder_factory import build_decoder
 from dflash_tfm.engine.model_runner import ModelRunner
-from dflash_tfm.engine.sampler import processed_probs
+from dflash_tfm.sampling import processed_probs
 from dflash_tfm.loading.loader import build_model
 from dflash_tfm.models.random_init import init_random_
 from dflash_tfm.sampling_params import SamplingParams

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from dflash_tfm.engine.model_runner import ModelRunner
-from dflash_tfm.engine.sampler import sample
+from dflash_tfm.sampling import sample
 from dflash_tfm.sampling_params import SamplingParams
 
 

@@ -24,7 +24,7 @@ import torch
 from dflash_tfm.engine.cache import ModelCache
 from dflash_tfm.engine.model_runner import key_length_bucket
 from dflash_tfm.engine.phase_graphs import PhaseGraphs
-from dflash_tfm.engine.sampler import make_generator, sample
+from dflash_tfm.sampling import make_generator, sample
 from dflash_tfm.models.decoder import CausalLM
 from dflash_tfm.sampling_params import SamplingParams
 

@@ -2,14 +2,17 @@
 
 Decodes only a short window of recent ids per token (the prefix/read-offset scheme of TGI and vLLM), so
 the cost per token is constant rather than growing with the completion; holds back text that is an
-incomplete UTF-8 sequence or could still turn into a stop string.
+incomplete UTF-8 sequence or could still turn into a stop string (`StopStringMatcher`, linear in the text).
 """
 from __future__ import annotations
+
+from dflash_tfm.engine.stop_strings import StopStringMatcher
 
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, stop: list[str]) -> None:
-        self.tokenizer, self.stop = tokenizer, stop
+        self.tokenizer = tokenizer
+        self.stops = StopStringMatcher(stop)
         self.ids: list[int] = []
         self.prefix_offset = 0
         self.read_offset = 0
@@ -28,15 +31,13 @@ class IncrementalDetokenizer:
     def push(self, token_id: int) -> tuple[str, bool]:
         """Add one token -> (text safe to show now, whether a stop string has completed)."""
         self.ids.append(token_id)
-        self.text += self._decode_new()
-        for s in self.stop:
-            cut = self.text.find(s, max(0, self.emitted - len(s) + 1))
-            if cut != -1:
-                self.stopped_at = cut if self.stopped_at is None else min(cut, self.stopped_at)
+        new = self._decode_new()
+        self.text += new
+        if self.stopped_at is None:
+            self.stopped_at = self.stops.feed(new)
         if self.stopped_at is not None:
             return "", True
-        hold = max((k for s in self.stop for k in range(1, len(s)) if self.text.endswith(s[:k])), default=0)
-        safe = len(self.text) - hold
+        safe = len(self.text) - self.stops.hold
         out = self.text[self.emitted : safe] if safe > self.emitted else ""
         self.emitted = max(self.emitted, safe)
         return out, False

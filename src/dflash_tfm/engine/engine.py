@@ -18,7 +18,7 @@ from dflash_tfm.engine.detokenizer import IncrementalDetokenizer
 from dflash_tfm.engine.model_runner import ModelRunner
 from dflash_tfm.engine.result import GenerationResult, GenerationStats
 from dflash_tfm.engine.decoder_factory import DEFAULT_CHILDREN_PER_NODE, build_decoder, normalize_algorithm
-from dflash_tfm.engine.sampler import make_generator
+from dflash_tfm.sampling import make_generator
 from dflash_tfm.loading.default_model import DEFAULT_BUNDLE
 from dflash_tfm.loading.loader import load_target, parse_dtype
 from dflash_tfm.sampling_params import SamplingParams

@@ -22,7 +22,7 @@ import torch
 from dflash_tfm.engine.model_runner import ModelRunner
 from dflash_tfm.engine.phase_graphs import PhaseGraphs
 from dflash_tfm.engine.phase_timer import PhaseTimer
-from dflash_tfm.engine.sampler import sample
+from dflash_tfm.sampling import sample
 from dflash_tfm.layers.linear import skinny_projections
 from dflash_tfm.sampling_params import SamplingParams
 from dflash_tfm.spec.accept import accept_tree, expected_accepted, target_draws

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dflash_tfm.engine.sampler import processed_probs
+from dflash_tfm.sampling import processed_probs
 from dflash_tfm.sampling_params import SamplingParams
 
 

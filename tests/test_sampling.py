@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from dflash_tfm import SamplingParams
-from dflash_tfm.engine.sampler import processed_probs, sample
+from dflash_tfm.sampling import processed_probs, sample
 
 
 def test_temperature_only_is_softmax() -> None:
@@ -43,3 +43,31 @@ def test_sampling_frequencies_follow_the_distribution() -> None:
     draws = torch.stack([sample(logits, params, g) for _ in range(4000)]).flatten()
     freq = torch.bincount(draws, minlength=3).float() / draws.numel()
     assert torch.allclose(freq, torch.tensor([0.6, 0.3, 0.1]), atol=0.03)
+
+
+def test_tiny_temperatures_and_top_p_are_greedy_and_ranges_are_checked() -> None:
+    from dflash_tfm.sampling_params import MAX_TEMPERATURE, SAMPLING_EPS
+
+    for settings in (dict(temperature=1e-37), dict(temperature=1e-40), dict(temperature=1.0, top_p=1e-46),
+                     dict(temperature=0.7, top_k=1)):
+        assert SamplingParams(**settings).greedy
+    assert not SamplingParams(temperature=2 * SAMPLING_EPS).greedy
+    for bad, field in ((dict(temperature=MAX_TEMPERATURE * 2), "temperature"), (dict(temperature=float("inf")), "temperature"),
+                       (dict(temperature=float("nan")), "temperature"), (dict(temperature=True), "temperature"),
+                       (dict(top_p=0.0), "top_p"), (dict(top_p=float("nan")), "top_p"), (dict(top_k=-2), "top_k")):
+        try:
+            SamplingParams(**bad)
+        except ValueError as e:
+            assert str(e).startswith(field), e
+        else:
+            raise AssertionError(f"{bad} was accepted")
+
+
+def test_smallest_sampling_temperature_gives_finite_probabilities() -> None:
+    """Just above the greedy threshold, with logits far apart, the distribution is finite and one-hot-ish."""
+    from dflash_tfm.sampling_params import SAMPLING_EPS
+
+    logits = torch.tensor([[30.0, -30.0, 29.9999, 1e4]])
+    p = processed_probs(logits, SamplingParams(temperature=1.01 * SAMPLING_EPS, top_p=0.9, top_k=3))
+    assert torch.isfinite(p).all() and torch.allclose(p.sum(-1), torch.ones(1))
+    assert p.argmax(-1).item() == 3

@@ -1,7 +1,10 @@
 """Turning target logits into tokens: temperature, top-k, top-p, per-request seeded generators.
 
-`processed_probs` is the distribution a request samples from; speculative acceptance (spec/verify.py)
-uses the same function so lossless sampling matches plain sampling exactly.
+One path for every decoder: autoregressive sampling (`sample`) and speculative acceptance
+(`spec.accept.target_draws`) both draw from `processed_probs`, so lossless speculative sampling matches plain
+sampling exactly. Requests whose settings are greedy (`SamplingParams.greedy`, which covers temperatures and
+top-p values too small to compute with) never reach `processed_probs`; for the rest, logits are shifted by their
+maximum before scaling, in fp32, so the softmax sees values <= 0 and yields no inf or NaN.
 """
 from __future__ import annotations
 
@@ -11,8 +14,9 @@ from dflash_tfm.sampling_params import SamplingParams
 
 
 def processed_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """fp32 logits [..., V] -> probabilities after temperature, top-k and top-p (temperature > 0)."""
-    logits = logits.float() / params.temperature
+    """fp32 logits [..., V] -> probabilities after temperature, top-k and top-p (a non-greedy request)."""
+    logits = logits.float()
+    logits = (logits - logits.amax(dim=-1, keepdim=True)) / params.temperature
     if params.top_k > 0 and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
