@@ -45,6 +45,7 @@ from dflash_tfm.spec.dflash import DFlashDrafter, block_attention_choice
 from dflash_tfm.spec.dflash_config import DFlashConfig
 from dflash_tfm.spec.weaver_fixtures import write_random_weaver_checkpoint
 from dflash_tfm.spec.weaver_tree import round_kernel_choice
+from dflash_tfm.speculative_config import SpeculativeConfig
 
 PHASES = ("draft", "tree", "verify", "commit")
 
@@ -126,8 +127,9 @@ def main() -> None:
         modes = [("DFLASH", 1, 0)] + [("DDTREE", b, 0) for b in args.budgets]
         modes += [("DFLASH_TFM", b, c) for b in args.budgets for c in args.tfm_children_per_node]
         for algo, budget, children in modes:
-            proposer = build_proposer(algo, runner, cfg, weaver_path, budget, block,
-                                      **({"children_per_node": children} if children else {}))
+            spec = SpeculativeConfig(algo, weaver_path=weaver_path if algo == "DFLASH_TFM" else None,
+                                     tree_budget=budget, **({"children_per_node": children} if children else {}))
+            proposer = build_proposer(spec, runner, cfg, block)
             decoder = SpeculativeDecoder(runner, drafter, proposer)
             name = algo if algo == "DFLASH" else f"{algo} {budget}" + (f" c{children}" if children else "")
             r = measure(decoder, prompt, greedy, args.warmup, args.steps)

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
-from dflash_tfm.engine.decoder_factory import DEFAULT_CHILDREN_PER_NODE
 from dflash_tfm.demo import ALGORITHMS, DEMO_DATASETS, Cell, find_bundle, fit_prompts, load_demo_prompts, run_algorithms
+from dflash_tfm.speculative_config import DEFAULT_CHILDREN_PER_NODE
 
 BUDGET_FREE = ("AR", "DFLASH")  # their decoders ignore the tree budget
 

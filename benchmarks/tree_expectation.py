@@ -22,9 +22,10 @@ import torch
 from tqdm import tqdm
 
 from dflash_tfm.bench.datasets import SUBSAMPLE_SEED, prepare_dataset
-from dflash_tfm.engine.decoder_factory import DEFAULT_CHILDREN_PER_NODE, build_proposer
+from dflash_tfm.engine.decoder_factory import build_proposer
 from dflash_tfm.sampling import make_generator
 from dflash_tfm.sampling_params import SamplingParams
+from dflash_tfm.speculative_config import DEFAULT_CHILDREN_PER_NODE, SpeculativeConfig
 
 
 def parse_variant(text: str) -> tuple[str, int, int]:
@@ -40,6 +41,11 @@ def held_out_prompts(name: str, count: int, seed: int, dataset_dir: Path | None)
     reported = {p.text for p in prepare_dataset(name, limit=20, seed=SUBSAMPLE_SEED, dataset_dir=dataset_dir).prompts}
     pool = prepare_dataset(name, limit=count + 20, seed=seed, dataset_dir=dataset_dir).prompts
     return [p.text for p in pool if p.text not in reported][:count]
+
+
+def variant_config(bundle: Path, algo: str, budget: int, children: int) -> SpeculativeConfig:
+    return SpeculativeConfig(algo, bundle / "dflash", bundle / "weaver.pth" if algo == "DFLASH_TFM" else None, budget,
+                             children)
 
 
 def main() -> None:
@@ -62,11 +68,10 @@ def main() -> None:
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     algo, budget, children = args.variants[0]
-    engine = Engine(args.target_path, speculative_algorithm=algo, draft_model_path=args.bundle / "dflash",
-                    weaver_path=args.bundle / "weaver.pth", tree_budget=budget, tfm_children_per_node=children,
-                    device=device, max_model_len=1024, use_cuda_graph=False)
+    engine = Engine(args.target_path, variant_config(args.bundle, algo, budget, children), device=device,
+                    max_model_len=1024, use_cuda_graph=False)
     block = engine.decoder.block
-    others = [build_proposer(a, engine.runner, engine.config, args.bundle / "weaver.pth", b, block, c)
+    others = [build_proposer(variant_config(args.bundle, a, b, c), engine.runner, engine.config, block)
               for a, b, c in args.variants[1:]]  # the first variant is the engine's own decoder
     names = [f"{a}:{b}:{c}" if a == "DFLASH_TFM" else f"{a}:{b}" for a, b, c in args.variants]
     params = SamplingParams(temperature=args.temperature, max_new_tokens=args.max_new_tokens)

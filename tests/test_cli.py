@@ -26,7 +26,7 @@ def test_bad_model_path_is_one_line_error(capsys, tmp_path) -> None:
 
 def test_invalid_sampling_value_is_one_line_error(capsys) -> None:
     assert main(["generate", "--prompt", "x", "--temperature", "-1"]) == 2
-    assert "temperature must be >= 0" in capsys.readouterr().err
+    assert "temperature must be a number in [0, 100]" in capsys.readouterr().err
 
 
 def test_serve_and_bench_subcommands_delegate_to_their_modules(capsys) -> None:

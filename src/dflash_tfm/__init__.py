@@ -7,12 +7,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
-__all__ = ["Engine", "GenerationResult", "GenerationStats", "SamplingParams"]
+__all__ = ["Engine", "GenerationResult", "GenerationStats", "SamplingParams", "SpeculativeConfig"]
 
 if TYPE_CHECKING:
     from dflash_tfm.engine.engine import Engine
     from dflash_tfm.engine.result import GenerationResult, GenerationStats
     from dflash_tfm.sampling_params import SamplingParams
+    from dflash_tfm.speculative_config import SpeculativeConfig
 
 
 def __getattr__(name: str):
@@ -28,4 +29,8 @@ def __getattr__(name: str):
         from dflash_tfm.sampling_params import SamplingParams
 
         return SamplingParams
+    if name == "SpeculativeConfig":
+        from dflash_tfm.speculative_config import SpeculativeConfig
+
+        return SpeculativeConfig
     raise AttributeError(f"module 'dflash_tfm' has no attribute {name!r}")

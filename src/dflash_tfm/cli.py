@@ -9,7 +9,7 @@ import argparse
 import importlib
 import sys
 
-SPEC_ALGOS = ["NONE", "DFLASH", "DDTREE", "DFLASH_TFM"]
+from dflash_tfm.engine.args import add_engine_args, engine_from_args
 
 # Subcommands implemented by a module's own `main(argv)` (flags as in the original system's tools).
 DELEGATED = {
@@ -20,42 +20,6 @@ DELEGATED = {
     "train-weaver": ("dflash_tfm.train.weaver_trainer", "train a Weaver for a target and its (frozen) drafter"),
     "demo": ("dflash_tfm.demo", "AR vs DFLASH vs DDTREE vs DFLASH_TFM on held-out prompts: tau, tok/s, speedup"),
 }
-
-
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    """Model and speculative flags shared by `generate` and the server (same spellings as the server)."""
-    p.add_argument("--model-path", default=None, help="local HF directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
-    p.add_argument("--device", default=None, help="cuda, cuda:1, cpu (default: cuda if available)")
-    p.add_argument("--max-model-len", type=int, default=None, help="context length the static caches are sized for")
-    p.add_argument("--speculative-algorithm", default=None, type=str.upper, choices=SPEC_ALGOS)
-    p.add_argument("--speculative-draft-model-path", default=None)
-    p.add_argument("--speculative-dflash-tfm-path", default=None, help="Weaver checkpoint (.pth)")
-    p.add_argument("--speculative-dflash-tfm-tree-budget", type=int, default=64)
-    p.add_argument("--speculative-dflash-tfm-children-per-node", type=int, default=16,
-                   help="children a DFLASH_TFM node publishes per Weaver expansion (the published system: 8)")
-    p.add_argument("--speculative-dflash-block-size", type=int, default=None, help="default: the drafter's")
-    p.add_argument("--speculative-gdn-verify-kernel", default="chunk", choices=["chunk", "recurrent"])
-    p.add_argument("--disable-cuda-graph", action="store_true")
-
-
-def engine_from_args(args: argparse.Namespace):
-    from dflash_tfm import Engine
-
-    return Engine(
-        args.model_path,
-        speculative_algorithm=args.speculative_algorithm,
-        draft_model_path=args.speculative_draft_model_path,
-        weaver_path=args.speculative_dflash_tfm_path,
-        tree_budget=args.speculative_dflash_tfm_tree_budget,
-        tfm_children_per_node=args.speculative_dflash_tfm_children_per_node,
-        block_size=args.speculative_dflash_block_size,
-        gdn_verify_kernel=args.speculative_gdn_verify_kernel,
-        device=args.device,
-        dtype=args.dtype,
-        max_model_len=args.max_model_len,
-        use_cuda_graph=not args.disable_cuda_graph,
-    )
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

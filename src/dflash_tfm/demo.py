@@ -159,8 +159,8 @@ def run_algorithms(
     """Decode every prompt with every algorithm the bundle allows (or those of ``algorithms`` it allows), one
     decoder at a time on one target; ``on_cell`` sees each finished (dataset, algorithm) cell.
     ``children_per_node``: DFLASH_TFM's tree width (None: the engine default)."""
-    from dflash_tfm import SamplingParams
-    from dflash_tfm.engine.decoder_factory import DEFAULT_CHILDREN_PER_NODE, build_decoder
+    from dflash_tfm import SamplingParams, SpeculativeConfig
+    from dflash_tfm.engine.decoder_factory import build_decoder
 
     algorithms = [a for a in bundle.algorithms() if algorithms is None or a in algorithms]
     every_text = [t for texts in prompts.values() for t in texts]
@@ -168,9 +168,10 @@ def run_algorithms(
     total = len(algorithms) * sum(len(t) for t in prompts.values())
     with tqdm(total=total, desc="demo", unit="request", disable=not progress) as bar:
         for algo in algorithms:
-            children = DEFAULT_CHILDREN_PER_NODE if children_per_node is None else children_per_node
-            engine.decoder = build_decoder(engine.runner, engine.config, None if algo == "AR" else algo,
-                                           bundle.dflash, bundle.weaver, budget, None, "chunk", children)
+            spec = SpeculativeConfig() if algo == "AR" else SpeculativeConfig(
+                algo, bundle.dflash, bundle.weaver if algo == "DFLASH_TFM" else None, budget,
+                **({} if children_per_node is None else {"children_per_node": children_per_node}))
+            engine.decoder = build_decoder(engine.runner, engine.config, spec)
             if every_text and engine.device.type == "cuda":
                 warm_up(engine, every_text, max_new_tokens, temperature, seed)
             for dataset, texts in prompts.items():

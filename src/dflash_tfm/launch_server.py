@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import sys
 
-from dflash_tfm.server.args import log_not_applicable, parse_server_args
+from dflash_tfm.server.args import log_start_warnings, parse_server_args
 
 logger = logging.getLogger("dflash_tfm.server")
 
@@ -17,23 +17,26 @@ logger = logging.getLogger("dflash_tfm.server")
 def main(argv: list[str] | None = None) -> int:
     args = parse_server_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    log_not_applicable(args)
+    log_start_warnings(args)
 
     import uvicorn
 
-    from dflash_tfm.cli import engine_from_args
+    from dflash_tfm.engine.engine import Engine
     from dflash_tfm.loading.errors import CheckpointError
     from dflash_tfm.server.app import create_app
+    from dflash_tfm.server.http_protocol import protocol_with_header_timeout
 
     try:
-        engine = engine_from_args(args.engine_namespace())
+        engine = Engine(args.model_path, args.speculative, device=args.device, dtype=args.dtype,
+                        max_model_len=args.max_model_len, use_cuda_graph=not args.disable_cuda_graph)
     except (FileNotFoundError, CheckpointError, ValueError, NotImplementedError) as e:
         print(f"launch_server: error: {e}", file=sys.stderr)
         return 2
     logger.info("serving %s (max_model_len %d, speculative %s) on http://%s:%d; admitting up to %d requests",
-                engine.model_path, engine.max_model_len, args.speculative_algorithm or "off (autoregressive)",
+                engine.model_path.name, engine.max_model_len, args.speculative.algorithm or "off (autoregressive)",
                 args.host, args.port, args.max_admitted_requests)
     uvicorn.run(create_app(engine, args), host=args.host, port=args.port, log_level=args.log_level,
+                http=protocol_with_header_timeout(args.timeout_read), timeout_keep_alive=args.timeout_keep_alive,
                 timeout_graceful_shutdown=5)
     return 0
 

@@ -14,6 +14,7 @@ from dflash_tfm.models.random_init import init_random_
 from dflash_tfm.sampling_params import SamplingParams
 from dflash_tfm.spec.fixtures import write_random_dflash_checkpoint
 from dflash_tfm.spec.weaver_fixtures import write_random_weaver_checkpoint
+from tests import spec_config
 from tests.spec.test_speculative_decoding import PROMPT, TARGETS
 
 pytestmark = pytest.mark.gpu
@@ -48,7 +49,7 @@ def test_graph_step_equals_eager_and_greedy(target, algo: str, budget: int) -> N
     decoders = {}
     for graphs in (True, False):
         runner = ModelRunner(model, max_len=512, device=torch.device("cuda"), use_cuda_graph=graphs)
-        decoders[graphs] = build_decoder(runner, cfg, algo, root / "dflash", root / "weaver.pth", budget, None, "chunk")
+        decoders[graphs] = build_decoder(runner, cfg, spec_config(algo, root, budget))
     reference = run(AutoregressiveDecoder(ModelRunner(model, max_len=512, device=torch.device("cuda"))), greedy)
     graphed = run(decoders[True], greedy)
     assert graphed == run(decoders[False], greedy)  # same kernels, replayed: bit-identical

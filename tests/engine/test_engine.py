@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from dflash_tfm import Engine, SamplingParams
+from dflash_tfm import Engine, SamplingParams, SpeculativeConfig
 
 CHAT = [{"role": "user", "content": "Write a short story about a robot who learns to paint."}]
 
@@ -103,5 +103,5 @@ def test_invalid_sampling_values(kwargs: dict, field: str) -> None:
 
 
 def test_unknown_speculative_algorithm_is_rejected() -> None:
-    with pytest.raises(ValueError, match="speculative_algorithm"):
-        Engine(speculative_algorithm="MEDUSA")
+    with pytest.raises(ValueError, match=r"unknown algorithm \(--speculative-algorithm\) 'MEDUSA'"):
+        Engine(speculative=SpeculativeConfig("MEDUSA"))

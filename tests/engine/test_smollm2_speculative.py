@@ -8,6 +8,7 @@ from dflash_tfm import Engine, SamplingParams
 from dflash_tfm.engine.decoder_factory import build_decoder
 from dflash_tfm.spec.fixtures import write_random_dflash_checkpoint
 from dflash_tfm.spec.weaver_fixtures import write_random_weaver_checkpoint
+from tests import spec_config
 
 CHAT = [{"role": "user", "content": "List three facts about the moon."}]
 NEW_TOKENS = 24
@@ -28,8 +29,7 @@ def test_speculative_greedy_equals_plain_greedy(smollm2: Engine, checkpoints, al
     plain = smollm2.generate(CHAT, params)
     ar_decoder = smollm2.decoder
     try:
-        smollm2.decoder = build_decoder(smollm2.runner, smollm2.config, algo, checkpoints / "dflash",
-                                        checkpoints / "weaver.pth", budget, None, "chunk")
+        smollm2.decoder = build_decoder(smollm2.runner, smollm2.config, spec_config(algo, checkpoints, budget))
         spec = smollm2.generate(CHAT, params)
     finally:
         smollm2.decoder = ar_decoder
@@ -53,8 +53,7 @@ def test_committed_bundle_is_lossless_and_accepts(smollm2: Engine, algo: str) ->
     plain = smollm2.generate(GSM8K_STYLE, params)
     ar_decoder = smollm2.decoder
     try:
-        smollm2.decoder = build_decoder(smollm2.runner, smollm2.config, algo, DEFAULT_BUNDLE / "dflash",
-                                        DEFAULT_BUNDLE / "weaver.pth", 64, None, "chunk")
+        smollm2.decoder = build_decoder(smollm2.runner, smollm2.config, spec_config(algo, DEFAULT_BUNDLE, 64))
         spec = smollm2.generate(GSM8K_STYLE, params)
     finally:
         smollm2.decoder = ar_decoder
@@ -80,8 +79,7 @@ def test_extreme_sampling_values_decode_greedily(smollm2: Engine, algo: str) -> 
             params = SamplingParams(max_new_tokens=24, ignore_eos=True, seed=0, **settings)
             assert params.greedy
             assert smollm2.generate(GSM8K_STYLE, params).token_ids == greedy, f"AR {settings}"
-        smollm2.decoder = build_decoder(smollm2.runner, smollm2.config, algo, DEFAULT_BUNDLE / "dflash",
-                                        DEFAULT_BUNDLE / "weaver.pth", 64, None, "chunk")
+        smollm2.decoder = build_decoder(smollm2.runner, smollm2.config, spec_config(algo, DEFAULT_BUNDLE, 64))
         for settings in NEAR_GREEDY:
             params = SamplingParams(max_new_tokens=24, ignore_eos=True, seed=0, **settings)
             assert smollm2.generate(GSM8K_STYLE, params).token_ids == greedy, f"{algo} {settings}"

@@ -53,16 +53,23 @@ class ServerProcess:
             os.unlink(self.log_path)
 
 
+SERVED_NAME = "smollm2"  # --served-model-name of the test servers: what requests' "model" field says
+SPECULATIVE = ("--speculative-algorithm", "DFLASH_TFM")  # with the embedded target: the committed bundle
+
+
 @functools.cache
-def launch_server_process() -> ServerProcess:
-    """Start `python -m dflash_tfm.launch_server` on the embedded model; returns at once (see shared_server)."""
+def launch_server_process(*extra: str) -> ServerProcess:
+    """Start `python -m dflash_tfm.launch_server` on the embedded model (plus `extra` flags); returns at once
+    (see shared_server). One process per distinct flag set, shared by every test module."""
     port = free_port()
     log = tempfile.NamedTemporaryFile("w", prefix="dflash_tfm_server_", suffix=".log", delete=False)
     cmd = [sys.executable, "-m", "dflash_tfm.launch_server", "--host", "127.0.0.1", "--port", str(port),
            "--device", "cpu", "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN), "--log-level", "warning",
-           "--page-size", "1", "--disable-radix-cache"]  # not-applicable flags must not stop the server
+           "--served-model-name", SERVED_NAME,
+           "--page-size", "1", "--disable-radix-cache", *extra]  # not-applicable flags must not stop the server
     # one intra-op thread: the server and this process's reference engine share the CPU without oversubscribing
     env = {**os.environ, "TQDM_DISABLE": "1", "OMP_NUM_THREADS": "1"}
+    env.pop("DFLASH_TFM_API_KEY", None)
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     server = ServerProcess(proc, f"http://127.0.0.1:{port}", log.name)
     atexit.register(server.stop)
@@ -70,9 +77,9 @@ def launch_server_process() -> ServerProcess:
 
 
 @functools.cache
-def shared_server() -> ServerProcess:
-    """The launched server once /health answers (it loads the model first)."""
-    server = launch_server_process()
+def shared_server(*extra: str) -> ServerProcess:
+    """The launched server (with `extra` flags) once /health answers (it loads the model first)."""
+    server = launch_server_process(*extra)
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     while time.monotonic() < deadline:
         if server.proc.poll() is not None:

@@ -7,6 +7,7 @@ import json
 import pytest
 
 from dflash_tfm.bench.harness import build_arg_parser, run
+from dflash_tfm.loading.default_model import default_model_path
 
 from . import ServerProcess, launch_server_process, shared_server
 
@@ -20,14 +21,15 @@ def server() -> ServerProcess:
 
 
 def test_harness_runs_four_datasets_against_the_server(server: ServerProcess, tmp_path, capsys) -> None:
+    # The server names its model without a path, so the harness is given the tokenizer to format chats with.
     args = build_arg_parser().parse_args([
-        "--base-url", server.base_url, "--datasets", *DATASETS, "--per-dataset-limit", "4",
+        "--base-url", server.base_url, "--tokenizer-path", str(default_model_path()), "--datasets", *DATASETS, "--per-dataset-limit", "4",
         "--max-new-tokens", "8", "--temperature", "0", "--reasoning", "off", "--warmup-requests", "0",
         "--output-dir", str(tmp_path), "--baseline", *(f"{d}=10.0" for d in DATASETS),
     ])
     summary = run(args)
     table = capsys.readouterr().out
-    assert "chat template of" in table  # the GGUF's own template, found through the server's model_path
+    assert "chat template of" in table  # the GGUF's own template
     rows = {r["dataset"]: r for r in summary["datasets"]}
     assert sorted(rows) == sorted(DATASETS) and not summary["unavailable"]
     for name, row in rows.items():

@@ -13,8 +13,8 @@ import openai
 import pytest
 
 from dflash_tfm import SamplingParams
-from tests.server import (ServerProcess, launch_server_process, one_torch_thread, reference_engine, scrape, shared_server,
-                          wait_idle)
+from tests.server import (SERVED_NAME, ServerProcess, launch_server_process, one_torch_thread, reference_engine, scrape,
+                          shared_server, wait_idle)
 
 CHAT = [{"role": "user", "content": "Name three colors."}]
 PROMPT = "The three primary colors are"
@@ -49,7 +49,7 @@ def greedy(n: int, **kw) -> SamplingParams:
 
 def test_chat_completion_matches_engine(client: openai.OpenAI, engine) -> None:
     ref = engine.generate(CHAT, greedy(16))
-    resp = client.chat.completions.create(model="any", messages=CHAT, max_tokens=16, temperature=0)
+    resp = client.chat.completions.create(model=SERVED_NAME, messages=CHAT, max_tokens=16, temperature=0)
     choice = resp.choices[0]
     assert choice.message.content == ref.text and choice.message.role == "assistant"
     assert choice.finish_reason == ref.finish_reason
@@ -61,7 +61,7 @@ def test_chat_completion_matches_engine(client: openai.OpenAI, engine) -> None:
 
 def test_completion_matches_engine_with_stop(client: openai.OpenAI, engine) -> None:
     ref = engine.generate(PROMPT, greedy(16))
-    resp = client.completions.create(model="any", prompt=PROMPT, max_tokens=16, temperature=0,
+    resp = client.completions.create(model=SERVED_NAME, prompt=PROMPT, max_tokens=16, temperature=0,
                                      extra_body={"top_k": -1})
     assert resp.choices[0].text == ref.text
     assert resp.usage.prompt_tokens == len(engine.encode_prompt(PROMPT))
@@ -69,27 +69,27 @@ def test_completion_matches_engine_with_stop(client: openai.OpenAI, engine) -> N
 
     stop = ref.text.strip().split()[1]  # a word the greedy completion is known to contain
     ref_stop = engine.generate(PROMPT, greedy(16, stop=[stop]))
-    resp = client.completions.create(model="any", prompt=PROMPT, max_tokens=16, temperature=0, stop=stop)
+    resp = client.completions.create(model=SERVED_NAME, prompt=PROMPT, max_tokens=16, temperature=0, stop=stop)
     assert resp.choices[0].text == ref_stop.text and resp.choices[0].finish_reason == "stop"
     assert stop not in resp.choices[0].text
 
 
 def test_completion_from_token_ids(client: openai.OpenAI, engine) -> None:
     ids = engine.encode_prompt(PROMPT)
-    resp = client.completions.create(model="any", prompt=ids, max_tokens=8, temperature=0)
+    resp = client.completions.create(model=SERVED_NAME, prompt=ids, max_tokens=8, temperature=0)
     assert resp.choices[0].text == engine.generate(ids, greedy(8)).text
 
 
 def test_seeded_sampling_matches_engine(client: openai.OpenAI, engine) -> None:
     ref = engine.generate(PROMPT, SamplingParams(temperature=0.9, top_p=0.95, max_new_tokens=8, seed=1234))
-    texts = [client.completions.create(model="any", prompt=PROMPT, max_tokens=8, temperature=0.9, top_p=0.95,
+    texts = [client.completions.create(model=SERVED_NAME, prompt=PROMPT, max_tokens=8, temperature=0.9, top_p=0.95,
                                        seed=1234).choices[0].text for _ in range(2)]
     assert texts == [ref.text, ref.text]
 
 
 def test_streaming_chat_and_completion(client: openai.OpenAI, engine) -> None:
     ref = engine.generate(CHAT, greedy(16))
-    chunks = list(client.chat.completions.create(model="any", messages=CHAT, max_tokens=16, temperature=0,
+    chunks = list(client.chat.completions.create(model=SERVED_NAME, messages=CHAT, max_tokens=16, temperature=0,
                                                  stream=True, stream_options={"include_usage": True}))
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ref.text
@@ -98,7 +98,7 @@ def test_streaming_chat_and_completion(client: openai.OpenAI, engine) -> None:
     assert len({c.id for c in chunks}) == 1
 
     ref = engine.generate(PROMPT, greedy(16))
-    chunks = list(client.completions.create(model="any", prompt=PROMPT, max_tokens=16, temperature=0, stream=True))
+    chunks = list(client.completions.create(model=SERVED_NAME, prompt=PROMPT, max_tokens=16, temperature=0, stream=True))
     assert "".join(c.choices[0].text for c in chunks) == ref.text
     assert chunks[-1].choices[0].finish_reason == ref.finish_reason and chunks[-1].usage is None
 
@@ -145,7 +145,7 @@ def test_sixteen_concurrent_clients_each_get_their_own_output(client: openai.Ope
     prompts = [f"Question {i}: what is {i} plus {i}? Answer:" for i in range(16)]
 
     def ask(prompt: str) -> str:
-        return client.completions.create(model="any", prompt=prompt, max_tokens=6, temperature=0).choices[0].text
+        return client.completions.create(model=SERVED_NAME, prompt=prompt, max_tokens=6, temperature=0).choices[0].text
 
     with ThreadPoolExecutor(16) as pool:
         answers = [pool.submit(ask, p) for p in prompts]
@@ -155,9 +155,9 @@ def test_sixteen_concurrent_clients_each_get_their_own_output(client: openai.Ope
 
 def test_models_info_flush_and_health(client: openai.OpenAI, server: ServerProcess, engine) -> None:
     models = client.models.list().data
-    assert len(models) == 1 and models[0].id == str(engine.model_path)
+    assert len(models) == 1 and models[0].id == SERVED_NAME
     info = httpx.get(f"{server.base_url}/get_model_info").json()
-    assert info["model_path"] == str(engine.model_path) and info["is_generation"] is True
+    assert info["model_path"] == engine.model_path.name and info["is_generation"] is True  # no absolute path
     assert info["speculative_algorithm"] is None and info["max_model_len"] == engine.max_model_len
     for method in ("GET", "POST"):
         r = httpx.request(method, f"{server.base_url}/flush_cache")

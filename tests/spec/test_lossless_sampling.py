@@ -17,13 +17,14 @@ import dflash_tfm.engine.speculative as speculative
 from dflash_tfm.config import ModelConfig
 from dflash_tfm.engine.decoder_factory import build_decoder
 from dflash_tfm.engine.model_runner import ModelRunner
-from dflash_tfm.sampling import processed_probs
 from dflash_tfm.loading.loader import build_model
 from dflash_tfm.models.random_init import init_random_
+from dflash_tfm.sampling import processed_probs
 from dflash_tfm.sampling_params import SamplingParams
 from dflash_tfm.spec.accept import target_draws
 from dflash_tfm.spec.fixtures import write_random_dflash_checkpoint
 from dflash_tfm.spec.weaver_fixtures import write_random_weaver_checkpoint
+from tests import spec_config
 
 V = 6
 PROMPT = [1, 4, 2, 5, 3]
@@ -101,7 +102,7 @@ CASES = [
 def test_generated_tokens_follow_the_target_distribution(setup, algo: str, budget: int, params: SamplingParams) -> None:
     cfg, model, root = setup
     runner = ModelRunner(model, max_len=128, device=torch.device("cpu"), use_cuda_graph=False)
-    decoder = build_decoder(runner, cfg, algo, root / "dflash", root / "weaver.pth", budget, None, "chunk")
+    decoder = build_decoder(runner, cfg, spec_config(algo, root, budget))
     counts = sample_counts(decoder, params)
     rejected, stat, crit = chi_square_rejects(counts, exact_distribution(model, params))
     assert not rejected, f"chi2 {stat:.1f} > {crit:.1f}"
@@ -119,6 +120,6 @@ def test_a_biased_acceptance_rule_is_detected(setup, monkeypatch) -> None:
     monkeypatch.setattr(speculative, "target_draws", biased)
     params = SamplingParams(temperature=1.0)
     runner = ModelRunner(model, max_len=128, device=torch.device("cpu"), use_cuda_graph=False)
-    decoder = build_decoder(runner, cfg, "DDTREE", root / "dflash", root / "weaver.pth", 8, None, "chunk")
+    decoder = build_decoder(runner, cfg, spec_config("DDTREE", root, 8))
     rejected, stat, crit = chi_square_rejects(sample_counts(decoder, params), exact_distribution(model, params))
     assert rejected, f"biased rule not detected: chi2 {stat:.1f} <= {crit:.1f}"

@@ -15,7 +15,7 @@ import torch
 
 from dflash_tfm.config import ModelConfig
 from dflash_tfm.engine.autoregressive import AutoregressiveDecoder
-from dflash_tfm.engine.decoder_factory import build_proposer, build_decoder
+from dflash_tfm.engine.decoder_factory import build_decoder, build_proposer
 from dflash_tfm.engine.model_runner import ModelRunner
 from dflash_tfm.engine.speculative import SpeculativeDecoder
 from dflash_tfm.loading.loader import build_model
@@ -23,6 +23,8 @@ from dflash_tfm.models.random_init import init_random_
 from dflash_tfm.sampling_params import SamplingParams
 from dflash_tfm.spec.fixtures import write_random_dflash_checkpoint
 from dflash_tfm.spec.weaver_fixtures import write_random_weaver_checkpoint
+from dflash_tfm.speculative_config import SpeculativeConfig
+from tests import spec_config
 
 VOCAB = 96
 BLOCK = 16
@@ -72,7 +74,7 @@ def greedy_reference(model, n: int = N_TOKENS) -> list[int]:
                                           ("DFLASH_TFM", 8), ("DFLASH_TFM", 16), ("DFLASH_TFM", 64)])
 def test_random_drafters_reproduce_greedy(target, algo: str, budget: int) -> None:
     cfg, model, root = target
-    decoder = build_decoder(runner_for(model), cfg, algo, root / "dflash", root / "weaver.pth", max(budget, 1), None, "chunk")
+    decoder = build_decoder(runner_for(model), cfg, spec_config(algo, root, max(budget, 1)))
     assert decode(decoder)[0] == greedy_reference(model)
 
 
@@ -81,18 +83,17 @@ def test_drafting_ahead_of_the_host_read_reproduces_greedy(target, algo: str) ->
     """draft_ahead (the CUDA default; off on the CPU): each step's draft is enqueued by the step before, for a
     key-length bound taken before the read. The same tokens, and near the cache end it stops drafting ahead."""
     cfg, model, root = target
-    decoder = build_decoder(runner_for(model), cfg, algo, root / "dflash", root / "weaver.pth", 16, None, "chunk")
+    decoder = build_decoder(runner_for(model), cfg, spec_config(algo, root, 16))
     decoder.draft_ahead = True
     n = decoder.runner.max_len - len(PROMPT) - 1  # to the last cache slot: the last steps are plain decode steps
     assert decode(decoder, n)[0] == greedy_reference(model, n)
 
 
 def test_published_tree_width_reproduces_greedy(target) -> None:
-    """DFLASH_TFM with the published 8 children per expanded node (Engine's tfm_children_per_node; the default
-    is 16) is lossless too."""
+    """DFLASH_TFM with the published 8 children per expanded node (SpeculativeConfig.children_per_node; the
+    default is 16) is lossless too."""
     cfg, model, root = target
-    decoder = build_decoder(runner_for(model), cfg, "DFLASH_TFM", root / "dflash", root / "weaver.pth", 64, None,
-                            "chunk", children_per_node=8)
+    decoder = build_decoder(runner_for(model), cfg, spec_config("DFLASH_TFM", root, 64, children_per_node=8))
     assert decode(decoder)[0] == greedy_reference(model)
 
 
@@ -131,7 +132,7 @@ def test_oracle_drafter_accepts_whole_blocks(target, algo: str, budget: int, dra
     reference = greedy_reference(model, N_TOKENS + 3 * BLOCK)
     runner = runner_for(model)
     drafter = OracleDrafter(reference, len(PROMPT), cfg.hidden_size)
-    decoder = SpeculativeDecoder(runner, drafter, build_proposer(algo, runner, cfg, root / "weaver.pth", max(budget, 1), BLOCK),
+    decoder = SpeculativeDecoder(runner, drafter, build_proposer(spec_config(algo, root, max(budget, 1)), runner, cfg, BLOCK),
                                  draft_ahead=draft_ahead)
     tokens, per_step = decode(decoder)
     assert tokens == reference[:N_TOKENS]
@@ -145,9 +146,9 @@ def test_trees_accept_through_second_siblings(target, algo: str) -> None:
     reference = greedy_reference(model, N_TOKENS + 3 * BLOCK)
     runner = runner_for(model)
     drafter = OracleDrafter(reference, len(PROMPT), cfg.hidden_size, demote_every=5)
-    chain = SpeculativeDecoder(runner, drafter, build_proposer("DFLASH", runner, cfg, None, 1, BLOCK))
+    chain = SpeculativeDecoder(runner, drafter, build_proposer(SpeculativeConfig("DFLASH", tree_budget=1), runner, cfg, BLOCK))
     chain_tokens, chain_steps = decode(chain)
-    tree = SpeculativeDecoder(runner, drafter, build_proposer(algo, runner, cfg, root / "weaver.pth", 64, BLOCK))
+    tree = SpeculativeDecoder(runner, drafter, build_proposer(spec_config(algo, root, 64), runner, cfg, BLOCK))
     tree_tokens, tree_steps = decode(tree)
     assert chain_tokens == tree_tokens == reference[:N_TOKENS]
     assert max(chain_steps) <= 5 and len(tree_steps) < len(chain_steps)
@@ -160,9 +161,9 @@ def test_step_scoring_commits_like_step_and_scores_exactly(target) -> None:
     reference = greedy_reference(model, N_TOKENS + 3 * BLOCK)
     runner = runner_for(model)
     drafter = OracleDrafter(reference, len(PROMPT), cfg.hidden_size, demote_every=5)
-    decoder = SpeculativeDecoder(runner, drafter, build_proposer("DDTREE", runner, cfg, None, 16, BLOCK))
-    others = [build_proposer("DFLASH", runner, cfg, None, 1, BLOCK),
-              build_proposer("DDTREE", runner, cfg, None, 16, BLOCK)]
+    decoder = SpeculativeDecoder(runner, drafter, build_proposer(SpeculativeConfig("DDTREE", tree_budget=16), runner, cfg, BLOCK))
+    others = [build_proposer(SpeculativeConfig("DFLASH", tree_budget=1), runner, cfg, BLOCK),
+              build_proposer(SpeculativeConfig("DDTREE", tree_budget=16), runner, cfg, BLOCK)]
     tokens = [decoder.prefill(PROMPT, GREEDY, None)]
     tree_scores, chain_scores = [], []
     while len(tokens) < N_TOKENS:

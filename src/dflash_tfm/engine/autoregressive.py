@@ -11,6 +11,8 @@ from dflash_tfm.sampling_params import SamplingParams
 class AutoregressiveDecoder:
     """Same interface as SpeculativeDecoder: `prefill` returns the first token, `step` the next tokens."""
 
+    last_step_drafts = 0  # tokens the last step proposed for verification: none
+
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
         self.token: torch.Tensor | None = None

@@ -1,27 +1,30 @@
 """`Engine`: the facade users, the CLI and the server call. One sequence at a time (batch 1).
 
-    from dflash_tfm import Engine, SamplingParams
-    engine = Engine()                      # embedded SmolLM2-135M-Instruct
+    from dflash_tfm import Engine, SamplingParams, SpeculativeConfig
+    engine = Engine()                      # embedded SmolLM2-135M-Instruct, autoregressive
+    engine = Engine(speculative=SpeculativeConfig("DFLASH_TFM"))   # with the bundle trained for it
     out = engine.generate("Hello", SamplingParams(max_new_tokens=32))
     print(out.text, out.stats.accept_length)
 """
 from __future__ import annotations
 
+import functools
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Iterator
 
 import torch
 
+from dflash_tfm.engine.decoder_factory import build_decoder
 from dflash_tfm.engine.detokenizer import IncrementalDetokenizer
 from dflash_tfm.engine.model_runner import ModelRunner
 from dflash_tfm.engine.result import GenerationResult, GenerationStats
-from dflash_tfm.engine.decoder_factory import DEFAULT_CHILDREN_PER_NODE, build_decoder, normalize_algorithm
-from dflash_tfm.sampling import make_generator
 from dflash_tfm.loading.default_model import DEFAULT_BUNDLE
 from dflash_tfm.loading.loader import load_target, parse_dtype
+from dflash_tfm.sampling import make_generator
 from dflash_tfm.sampling_params import SamplingParams
+from dflash_tfm.speculative_config import SpeculativeConfig
 
 DEFAULT_MAX_MODEL_LEN = 32768
 
@@ -42,33 +45,20 @@ class Engine:
     def __init__(
         self,
         model_path: str | Path | None = None,
+        speculative: SpeculativeConfig | None = None,
         *,
-        speculative_algorithm: str | None = None,
-        draft_model_path: str | Path | None = None,
-        weaver_path: str | Path | None = None,
-        tree_budget: int = 64,
-        tfm_children_per_node: int = DEFAULT_CHILDREN_PER_NODE,
-        block_size: int | None = None,
-        gdn_verify_kernel: str = "chunk",
         device: str | torch.device | None = None,
         dtype: str | torch.dtype = "auto",
         max_model_len: int | None = None,
         use_cuda_graph: bool = True,
         progress: bool = True,
     ) -> None:
-        """dtype "auto" = bfloat16 on CUDA and float32 on the CPU (CPU bf16 matmuls are slow and inexact).
+        """model_path None = the embedded SmolLM2-135M-Instruct; then a speculative config without checkpoint
+        paths uses the bundle trained for it (loading.default_model.DEFAULT_BUNDLE).
+        dtype "auto" = bfloat16 on CUDA and float32 on the CPU (CPU bf16 matmuls are slow and inexact).
         max_model_len defaults to min(the model's context, 32768) and sizes the static caches.
-        block_size None = the drafter's own block size (a different value is an error: drafters are trained
-        for one block size). tfm_children_per_node: children a DFLASH_TFM node publishes when Weaver expands it
-        (default 16; the published system uses 8 — see spec.weaver_tree.DEFAULT_CHILDREN_PER_NODE). With the
-        embedded default target (model_path None), a speculative algorithm without draft_model_path / weaver_path uses the bundle trained for it
-        (loading.default_model.DEFAULT_BUNDLE)."""
-        self.speculative_algorithm = normalize_algorithm(speculative_algorithm)
-        if model_path is None and self.speculative_algorithm is not None:
-            draft_model_path = draft_model_path or DEFAULT_BUNDLE / "dflash"
-            weaver_path = weaver_path or DEFAULT_BUNDLE / "weaver.pth"
-        if gdn_verify_kernel not in ("chunk", "recurrent"):
-            raise ValueError(f"gdn_verify_kernel must be 'chunk' or 'recurrent', got {gdn_verify_kernel!r}")
+        `self.speculative` is the config as run: checkpoint paths filled in, block_size the drafter's own."""
+        speculative = (speculative or SpeculativeConfig()).with_checkpoints(DEFAULT_BUNDLE if model_path is None else None)
         self.device = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' requested but CUDA is not available")
@@ -86,13 +76,23 @@ class Engine:
                 f"max_model_len must be in [2, {self.config.max_position_embeddings}], got {self.max_model_len}"
             )
         self.runner = ModelRunner(loaded.model, self.max_model_len, self.device, use_cuda_graph=use_cuda_graph)
-        self.decoder = build_decoder(
-            self.runner, self.config, self.speculative_algorithm, draft_model_path, weaver_path, tree_budget,
-            block_size, gdn_verify_kernel, tfm_children_per_node,
-        )
+        self.decoder = build_decoder(self.runner, self.config, speculative)
+        block = getattr(self.decoder, "block", None)
+        self.speculative = replace(speculative, block_size=block) if speculative.enabled else speculative
         self.eos_token_ids = set(self.config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(int(self.tokenizer.eos_token_id))
+
+    @property
+    def speculative_algorithm(self) -> str | None:
+        return self.speculative.algorithm
+
+    @functools.cached_property
+    def max_chars_per_token(self) -> int:
+        """The most characters one token can stand for (its longest vocabulary entry: byte-level and
+        SentencePiece entries spell at least one character per decoded character). A text longer than
+        max_model_len times this cannot fit the context, which is known without tokenizing it."""
+        return max(1, max((len(t) for t in self.tokenizer.get_vocab()), default=1))
 
     # ---- prompts -------------------------------------------------------------------------------------
     def apply_chat_template(self, messages: list[dict], enable_thinking: bool | None = None) -> list[int]:
@@ -177,3 +177,5 @@ class Engine:
                 yield StreamDelta([tok], text, None, stats)
             pending = self.decoder.step(params, generator)
             stats.verify_steps += 1
+            stats.draft_tokens += self.decoder.last_step_drafts
+            stats.accepted_draft_tokens += len(pending) - 1

@@ -11,11 +11,15 @@ class GenerationStats:
     verify_steps counts the target forward passes that produced tokens: the prefill (which yields the first
     token) plus one per decode step (one token in AR mode, one tree in speculative modes). So
     accept_length = completion_tokens / verify_steps is tau, exactly 1 for autoregressive decoding.
+    draft_tokens counts the tokens proposed for verification (tree nodes below the root, summed over steps) and
+    accepted_draft_tokens those of them the target accepted (each step also yields one token of its own).
     """
 
     prompt_tokens: int = 0
     completion_tokens: int = 0
     verify_steps: int = 0
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     draft_seconds: float = 0.0

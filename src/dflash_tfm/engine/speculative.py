@@ -57,6 +57,7 @@ class SpeculativeDecoder:
         self.timer = PhaseTimer(runner.device)
         self.graphs = PhaseGraphs(runner.use_cuda_graph)
         self.length = 0  # host copy of the committed length
+        self.last_step_drafts = 0  # tokens the last step proposed for verification (0 for a plain decode step)
         device = runner.device
         self._length = torch.zeros(1, dtype=torch.long, device=device)
         self._root = torch.zeros(1, dtype=torch.long, device=device)
@@ -101,12 +102,14 @@ class SpeculativeDecoder:
         Within one tree depth of the cache end it takes a plain decode step instead."""
         L, t = self.length, self.timer
         if L + self.max_depth + 1 > self.runner.max_len:
+            self.last_step_drafts = 0
             logits = self.runner.decode(self._root, L)
             self._root.copy_(sample(logits, params, generator).view(1))
             self.length = L + 1
             return [int(self._root.item())]
         if not params.greedy:
             self._uniforms.uniform_(generator=generator)
+        self.last_step_drafts = self.proposer.num_nodes - 1
         sampling = "greedy" if params.greedy else (params.temperature, params.top_k, params.top_p)
         with skinny_projections():  # fixed row counts: projections may use the measured skinny kernels
             if not self._drafted:

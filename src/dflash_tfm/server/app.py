@@ -1,9 +1,12 @@
 """The HTTP server: OpenAI chat/completions, native `/generate`, health, model info, cache flush, metrics.
 
-Handlers validate everything they can before admission (JSON shape, sampling values, prompt length against
-the context) so a bad request costs no queue slot and gets a 4xx `{"error": {message, type, code, param}}`.
+Before a route runs, `RequestGuard` has checked the Host header, the API key, the content type and the body's
+size and arrival. Handlers then validate everything they can before admission (queue room first, JSON shape,
+model name, sampling values, prompt length against the context) so a bad request costs no queue slot and gets a
+4xx `{"error": {message, type, code, param}}`; prompts are tokenized off the event loop (`PromptEncoder`).
 Admitted requests go through the `Scheduler`; a task per request watches for the client's disconnect and
 cancels its job, so an abandoned request frees its slot whether it is waiting, decoding, or streaming.
+A 500 names the request id under which the traceback was logged, never the exception text.
 """
 from __future__ import annotations
 
@@ -12,11 +15,11 @@ import logging
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, AsyncIterator, Callable, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
@@ -25,7 +28,10 @@ from dflash_tfm import __version__
 from dflash_tfm.sampling_params import SamplingParams
 from dflash_tfm.server import protocol as P
 from dflash_tfm.server.args import ServerArgs
-from dflash_tfm.server.metrics import RequestCounterMiddleware, ServerMetrics
+from dflash_tfm.server.errors import CLIENT_CLOSED, APIError, error_body, error_response, internal_error_message
+from dflash_tfm.server.guard import GuardSettings, RequestGuard
+from dflash_tfm.server.metrics import CONTENT_TYPE, RequestCounterMiddleware, ServerMetrics
+from dflash_tfm.server.prompts import PromptEncoder
 from dflash_tfm.server.scheduler import Job, JobCancelled, QueueFullError, Scheduler
 
 if TYPE_CHECKING:
@@ -36,35 +42,13 @@ logger = logging.getLogger("dflash_tfm.server")
 ModelT = TypeVar("ModelT", bound=BaseModel)
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the rest of the context
 GENERATE_DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default for /generate
-CLIENT_CLOSED = 499  # nginx's "client closed request": logged and counted, never seen by the (gone) client
-ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
-               500: "internal_server_error", 503: "server_overloaded"}
 NO_PREFIX_CACHE = "nothing to flush: the engine keeps no prefix cache (every request is prefilled in full)"
-
-
-class APIError(Exception):
-    """A request the server refuses, turned into an OpenAI-style JSON error response."""
-
-    def __init__(self, status: int, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param = status, message, param
-
-    def response(self) -> JSONResponse:
-        return error_response(self.status, self.message, self.param)
-
-
-def error_body(status: int, message: str, param: str | None = None) -> P.ErrorResponse:
-    kind = ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "internal_server_error")
-    return P.ErrorResponse(error=P.ErrorBody(message=message, type=kind, code=status, param=param))
-
-
-def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
-    headers = {"Retry-After": "1"} if status == 503 else None
-    return JSONResponse(error_body(status, message, param).model_dump(), status_code=status, headers=headers)
+JSON_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/generate"})
 
 
 async def parse_body(request: Request, model: type[ModelT]) -> ModelT:
-    """Strictly parse the JSON body; every problem becomes a 400 naming the field."""
+    """Strictly parse the JSON body (read and bounded by `RequestGuard`); every problem becomes a 400 naming
+    the field."""
     raw = await request.body()
     if not raw.strip():
         raise APIError(400, "request body is empty; send a JSON object")
@@ -118,8 +102,11 @@ class Handlers:
     """Route handlers bound to one engine (through its scheduler) and the launch settings."""
 
     def __init__(self, engine: Engine, scheduler: Scheduler, args: ServerArgs, metrics: ServerMetrics) -> None:
-        self.engine, self.scheduler, self.args, self.metrics = engine, scheduler, args, metrics
-        self.model_name = args.served_model_name or str(engine.model_path)
+        self.engine, self.scheduler, self.metrics = engine, scheduler, metrics
+        self.prompts = PromptEncoder(engine)
+        path_name = Path(engine.model_path).name
+        self.model_name = args.served_model_name or path_name
+        self.model_names = {self.model_name, path_name}  # what a request's "model" may say
 
     # ---- shared steps --------------------------------------------------------------------------------
     def completion_budget(self, n_prompt: int, requested: int | None, default: int | None, name: str,
@@ -147,24 +134,26 @@ class Handlers:
         try:
             return make()
         except ValueError as e:
-            raise APIError(400, str(e), str(e).split(" ", 1)[0]) from e
+            raise APIError(400, str(e), str(e).split(" ", 1)[0].rstrip(":")) from e
 
-    def encode_ids(self, ids: list[int], name: str) -> list[int]:
-        """Token ids checked against the vocabulary (out-of-range ids would index past the embedding)."""
+    def check_room(self) -> None:
+        """503 before any work for the request when the queue is full."""
         try:
-            return self.engine.encode_prompt(ids)
-        except ValueError as e:
-            raise APIError(400, f"{name}: {e}", name) from e
+            self.scheduler.check_room()
+        except QueueFullError as e:
+            raise APIError(503, str(e)) from e
 
     def check_openai(self, req: P.OpenAIRequest) -> None:
-        """Refuse what OpenAI clients may ask for but this server cannot do, rather than silently ignore it."""
+        """Refuse what OpenAI clients may ask for but this server cannot do, rather than silently ignore it,
+        and a model this server does not serve (OpenAI's 404 `model_not_found`)."""
+        if req.model is not None and req.model not in self.model_names:
+            raise APIError(404, f"the model {req.model!r} does not exist; this server serves {self.model_name!r}",
+                           "model", "model_not_found")
         if req.n not in (None, 1):
             raise APIError(400, f"n must be 1 (this server returns one choice per request), got {req.n}", "n")
         unsupported = req.unsupported()
         if unsupported:
             raise APIError(400, f"not supported by this server: {', '.join(unsupported)}", unsupported[0])
-        if req.model_extra:
-            logger.info("ignoring unknown request fields: %s", ", ".join(sorted(req.model_extra)))
 
     def admit(self, request: Request, prompt_ids: list[int], params: SamplingParams,
               arrived: float) -> tuple[Job, asyncio.Task]:
@@ -202,7 +191,7 @@ class Handlers:
             self.release(job, watcher)
         return out
 
-    async def stream(self, job: Job, watcher: asyncio.Task,
+    async def stream(self, job: Job, watcher: asyncio.Task, request_id: str,
                      events: Callable[[StreamDelta, Output], list[BaseModel]]) -> Response:
         """SSE of `events(delta, output)` per delta, then `data: [DONE]`. The first delta is awaited before the
         response starts, so errors found at prefill still get a proper HTTP status."""
@@ -225,12 +214,12 @@ class Handlers:
                 yield "data: [DONE]\n\n"
             except JobCancelled:
                 return
-            except Exception as e:  # the response has started: report in-band, then end the stream
-                logger.exception("stream failed")
-                if isinstance(e, APIError):
-                    yield sse(error_body(e.status, e.message, e.param))
-                else:
-                    yield sse(error_body(500, f"internal error: {e}"))
+            except APIError as e:  # the response has started: report in-band, then end the stream
+                yield sse(error_body(e.status, e.message, e.param, e.code))
+                yield "data: [DONE]\n\n"
+            except Exception:
+                logger.exception("request %s: stream failed", request_id)
+                yield sse(error_body(500, internal_error_message(request_id)))
                 yield "data: [DONE]\n\n"
             finally:
                 self.release(job, watcher)
@@ -240,6 +229,7 @@ class Handlers:
     # ---- OpenAI --------------------------------------------------------------------------------------
     async def chat_completions(self, request: Request) -> Response:
         arrived = time.perf_counter()
+        self.check_room()
         req = await parse_body(request, P.ChatCompletionRequest)
         self.check_openai(req)
         if not req.messages:
@@ -248,11 +238,7 @@ class Handlers:
         thinking = kwargs.pop("enable_thinking", None)
         if kwargs or not isinstance(thinking, (bool, type(None))):
             raise APIError(400, "chat_template_kwargs supports only enable_thinking (a boolean)", "chat_template_kwargs")
-        messages = message_dicts(req.messages)
-        try:
-            prompt_ids = self.engine.apply_chat_template(messages, thinking)
-        except Exception as e:  # jinja templates raise anything on unexpected roles/orders
-            raise APIError(400, f"messages: the chat template rejected them: {e}", "messages") from e
+        prompt_ids = await self.prompts.chat(message_dicts(req.messages), thinking)
         name = "max_tokens" if req.max_completion_tokens is None else "max_completion_tokens"
         budget = self.completion_budget(len(prompt_ids), req.requested_max_tokens, None, name, "messages")
         params = self.checked(lambda: req.sampling_params(budget))
@@ -275,7 +261,7 @@ class Handlers:
             return evs
 
         if req.stream:
-            return await self.stream(job, watcher, events)
+            return await self.stream(job, watcher, request.state.request_id, events)
         out = await self.collect(job, watcher)
         resp = P.ChatCompletionResponse(
             id=rid, created=created, model=self.model_name, usage=P.Usage.of(n_prompt, len(out.token_ids)),
@@ -285,6 +271,7 @@ class Handlers:
 
     async def completions(self, request: Request) -> Response:
         arrived = time.perf_counter()
+        self.check_room()
         req = await parse_body(request, P.CompletionRequest)
         self.check_openai(req)
         prompt = req.prompt
@@ -292,7 +279,7 @@ class Handlers:
             if len(prompt) != 1:
                 raise APIError(400, f"one prompt per request is supported, got {len(prompt)}", "prompt")
             prompt = prompt[0]
-        prompt_ids = self.engine.encode_prompt(prompt) if isinstance(prompt, str) else self.encode_ids(prompt, "prompt")
+        prompt_ids = await self.prompts.text(prompt, "prompt") if isinstance(prompt, str) else self.prompts.ids(prompt, "prompt")
         budget = self.completion_budget(len(prompt_ids), req.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS,
                                         "max_tokens", "prompt")
         params = self.checked(lambda: req.sampling_params(budget))
@@ -310,7 +297,7 @@ class Handlers:
             return evs
 
         if req.stream:
-            return await self.stream(job, watcher, events)
+            return await self.stream(job, watcher, request.state.request_id, events)
         out = await self.collect(job, watcher)
         resp = P.CompletionResponse(
             id=rid, created=created, model=self.model_name, usage=P.Usage.of(n_prompt, len(out.token_ids)),
@@ -319,7 +306,7 @@ class Handlers:
         return JSONResponse(resp.model_dump())
 
     async def models(self) -> Response:
-        card = P.ModelCard(id=self.model_name, root=str(self.engine.model_path), max_model_len=self.engine.max_model_len)
+        card = P.ModelCard(id=self.model_name, root=self.model_name, max_model_len=self.engine.max_model_len)
         return JSONResponse(P.ModelList(data=[card]).model_dump())
 
     # ---- native --------------------------------------------------------------------------------------
@@ -327,13 +314,14 @@ class Handlers:
         """SGLang's /generate. finish_reason is SGLang's object ({"type": "stop"|"length"}); streamed chunks carry
         the cumulative text and output_ids, as SGLang's do."""
         arrived = time.perf_counter()
+        self.check_room()
         req = await parse_body(request, P.GenerateRequest)
         if (req.text is None) == (req.input_ids is None):
             raise APIError(400, "give exactly one of text or input_ids", "text")
         if req.text is not None:
-            prompt_field, prompt_ids = "text", self.engine.encode_prompt(req.text)
+            prompt_field, prompt_ids = "text", await self.prompts.text(req.text, "text")
         else:
-            prompt_field, prompt_ids = "input_ids", self.encode_ids(req.input_ids or [], "input_ids")
+            prompt_field, prompt_ids = "input_ids", self.prompts.ids(req.input_ids or [], "input_ids")
         sp = req.sampling_params
         budget = self.completion_budget(len(prompt_ids), sp.max_new_tokens, GENERATE_DEFAULT_MAX_NEW_TOKENS,
                                         "sampling_params.max_new_tokens", prompt_field)
@@ -352,7 +340,7 @@ class Handlers:
             return P.GenerateResponse(text=out.text, output_ids=list(out.token_ids), meta_info=meta)
 
         if req.stream:
-            return await self.stream(job, watcher, lambda delta, out: [result(delta, out)])
+            return await self.stream(job, watcher, request.state.request_id, lambda delta, out: [result(delta, out)])
         out = await self.collect(job, watcher)
         assert out.last is not None
         return JSONResponse(result(out.last, out).model_dump())
@@ -373,19 +361,22 @@ class Handlers:
         return JSONResponse({"success": True, "message": NO_PREFIX_CACHE})
 
     async def get_model_info(self) -> Response:
+        """SGLang's fields, with file names where SGLang shows paths (no absolute path leaves the server), and
+        the speculative settings as the engine runs them (the drafter's own block size, the tree budget)."""
+        name = Path(self.engine.model_path).name
         return JSONResponse({
-            "model_path": str(self.engine.model_path),
-            "tokenizer_path": str(self.engine.model_path),
+            "model_path": name,
+            "tokenizer_path": name,
             "served_model_name": self.model_name,
             "is_generation": True,
             "max_model_len": self.engine.max_model_len,
             "vocab_size": self.engine.config.vocab_size,
             "max_admitted_requests": self.scheduler.max_admitted,
-            **self.args.speculative_info(),
+            **self.engine.speculative.describe(),
         })
 
     async def prometheus(self) -> Response:
-        return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        return Response(self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
 
 def message_dicts(messages: list[P.ChatMessage]) -> list[dict]:
@@ -399,14 +390,14 @@ def message_dicts(messages: list[P.ChatMessage]) -> list[dict]:
                 raise APIError(400, f"messages.{i}.content: only text parts are supported, got {bad[0]!r}",
                                f"messages.{i}.content")
             content = "\n".join(p.text or "" for p in content)
-        out.append({"role": m.role, "content": content or ""})
+        out.append({"role": m.role, "content": content or ""} | ({"name": m.name} if m.name is not None else {}))
     return out
 
 
 def create_app(engine: Engine, server_args: ServerArgs | None = None) -> FastAPI:
     """The FastAPI app serving `engine`; the engine worker thread lives as long as the app's lifespan."""
     args = server_args or ServerArgs()
-    metrics = ServerMetrics()
+    metrics = ServerMetrics(engine.speculative.algorithm)
     scheduler = Scheduler(engine, args.max_admitted_requests, metrics)
     h = Handlers(engine, scheduler, args, metrics)
 
@@ -417,11 +408,15 @@ def create_app(engine: Engine, server_args: ServerArgs | None = None) -> FastAPI
             yield
         finally:
             scheduler.shutdown()
+            h.prompts.close()
 
     app = FastAPI(title="dflash-tfm", version=__version__, lifespan=lifespan)
     app.state.scheduler, app.state.metrics = scheduler, metrics
-    app.add_middleware(RequestCounterMiddleware, metrics=metrics)
-    for path, endpoint, methods in (
+    # Middleware added last runs first: the counter sees every response, the guard's refusals included.
+    app.add_middleware(RequestGuard, settings=GuardSettings(
+        api_key=args.api_key, allowed_hosts=args.allowed_hosts, max_request_bytes=args.max_request_bytes,
+        read_timeout=args.timeout_read, json_routes=JSON_ROUTES))
+    routes = (
         ("/v1/chat/completions", h.chat_completions, ["POST"]),
         ("/v1/completions", h.completions, ["POST"]),
         ("/v1/models", h.models, ["GET"]),
@@ -431,8 +426,11 @@ def create_app(engine: Engine, server_args: ServerArgs | None = None) -> FastAPI
         ("/flush_cache", h.flush_cache, ["GET", "POST"]),
         ("/get_model_info", h.get_model_info, ["GET"]),
         ("/metrics", h.prometheus, ["GET"]),
-    ):
-        app.add_api_route(path, endpoint, methods=methods)
+    )
+    app.add_middleware(RequestCounterMiddleware, metrics=metrics, routes=frozenset(path for path, _, _ in routes))
+    for path, endpoint, methods in routes:
+        for method in methods:  # one route per method: each gets its own OpenAPI operation id
+            app.add_api_route(path, endpoint, methods=[method], operation_id=f"{endpoint.__name__}_{method.lower()}")
 
     async def on_api_error(_: Request, exc: Exception) -> Response:
         assert isinstance(exc, APIError)
@@ -445,11 +443,7 @@ def create_app(engine: Engine, server_args: ServerArgs | None = None) -> FastAPI
     async def on_client_gone(_: Request, exc: Exception) -> Response:
         return Response(status_code=CLIENT_CLOSED)
 
-    async def on_internal_error(_: Request, exc: Exception) -> Response:
-        return error_response(500, f"internal error: {type(exc).__name__}: {exc}")
-
     app.add_exception_handler(APIError, on_api_error)
     app.add_exception_handler(StarletteHTTPException, on_http_error)
     app.add_exception_handler(JobCancelled, on_client_gone)
-    app.add_exception_handler(Exception, on_internal_error)
     return app

@@ -2,17 +2,23 @@
 
 Flags of the original that mean nothing for a batch-1 single-GPU engine (paging, radix cache, attention
 backends, overlap schedule, ...) are accepted so published launch commands run unchanged, and each one the
-user gave is reported by `log_not_applicable` — never silently reinterpreted. Combinations that cannot work
+user gave is reported by `log_start_warnings` — never silently reinterpreted. Combinations that cannot work
 (tensor parallelism, a hub revision, speculative flags without an algorithm, ...) fail at start with one
 clear message instead of surfacing later as a wrong configuration.
 """
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import logging
+import os
 from dataclasses import dataclass, field
 
-from dflash_tfm.cli import add_engine_args
+from dflash_tfm.engine.args import add_engine_args
+from dflash_tfm.loading.default_model import DEFAULT_BUNDLE
+from dflash_tfm.server.guard import LOOPBACK_HOSTS
+from dflash_tfm.speculative_config import (SpeculativeConfig, SpeculativeConfigError, speculative_config_from_args,
+                                           unused_speculative_flags)
 
 logger = logging.getLogger("dflash_tfm.server")
 
@@ -20,14 +26,10 @@ DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 30000
 DEFAULT_MAX_ADMITTED = 256
 QUEUE_PER_RUNNING_SLOT = 16  # admitted = 16 x --max-running-requests when --max-queued-requests is not given
-
-# Speculative flags whose presence (not just value) matters: without an algorithm they would be ignored.
-SPEC_VALUE_DESTS = ("speculative_dflash_tfm_tree_budget", "speculative_dflash_tfm_children_per_node",
-                    "speculative_dflash_block_size", "speculative_gdn_verify_kernel")
-SPEC_DESTS = SPEC_VALUE_DESTS + (
-    "speculative_draft_model_path", "speculative_dflash_tfm_path", "speculative_num_draft_tokens",
-    "speculative_draft_model_revision", "speculative_draft_attention_backend",
-)
+DEFAULT_MAX_REQUEST_BYTES = 8 << 20  # a 32k-token prompt is ~150 kB of text or ~250 kB of ids: 8 MiB is ample
+DEFAULT_TIMEOUT_READ = 30.0
+DEFAULT_TIMEOUT_KEEP_ALIVE = 5
+API_KEY_ENV = "DFLASH_TFM_API_KEY"
 
 # Accepted for compatibility; the reason is what the log line says when the user gives the flag.
 NOT_APPLICABLE = {
@@ -49,57 +51,37 @@ class ServerArgsError(ValueError):
 
 @dataclass
 class ServerArgs:
-    """Validated launch settings: engine settings (as `cli.engine_from_args` reads them) + server settings."""
+    """Validated launch settings: what builds the Engine, then the server's own settings.
+
+    allowed_hosts None accepts any Host header (the default when bound to a non-loopback address); api_key
+    None serves without authentication."""
 
     model_path: str | None = None
     dtype: str = "auto"
     device: str | None = None
     max_model_len: int | None = None
-    speculative_algorithm: str | None = None
-    speculative_draft_model_path: str | None = None
-    speculative_dflash_tfm_path: str | None = None
-    speculative_dflash_tfm_tree_budget: int = 64
-    speculative_dflash_tfm_children_per_node: int = 16
-    speculative_dflash_block_size: int | None = None  # None: the drafter's own block size
-    speculative_gdn_verify_kernel: str = "chunk"
     disable_cuda_graph: bool = False
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     host: str = DEFAULT_HOST
     port: int = DEFAULT_PORT
     served_model_name: str | None = None
     max_admitted_requests: int = DEFAULT_MAX_ADMITTED
+    api_key: str | None = field(default=None, repr=False)
+    allowed_hosts: frozenset[str] | None = LOOPBACK_HOSTS
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    timeout_read: float = DEFAULT_TIMEOUT_READ
+    timeout_keep_alive: int = DEFAULT_TIMEOUT_KEEP_ALIVE
     log_level: str = "info"
     not_applicable: dict[str, str] = field(default_factory=dict)  # flag as typed -> why it is not used
 
-    def engine_namespace(self) -> argparse.Namespace:
-        """The namespace `dflash_tfm.cli.engine_from_args` builds the Engine from."""
-        return argparse.Namespace(**{k: v for k, v in vars(self).items() if k not in _SERVER_ONLY})
 
-    def speculative_info(self) -> dict[str, object]:
-        """Speculative settings as reported by /get_model_info (empty values when decoding is autoregressive)."""
-        spec = self.speculative_algorithm is not None
-        return {
-            "speculative_algorithm": self.speculative_algorithm,
-            "speculative_draft_model_path": self.speculative_draft_model_path,
-            "speculative_dflash_tfm_path": self.speculative_dflash_tfm_path,
-            "speculative_dflash_block_size": self.speculative_dflash_block_size if spec else None,
-            "speculative_dflash_tfm_tree_budget": (
-                self.speculative_dflash_tfm_tree_budget if self.speculative_algorithm in ("DDTREE", "DFLASH_TFM") else None
-            ),
-            "speculative_dflash_tfm_children_per_node": (
-                self.speculative_dflash_tfm_children_per_node if self.speculative_algorithm == "DFLASH_TFM" else None
-            ),
-            "speculative_gdn_verify_kernel": self.speculative_gdn_verify_kernel if spec else None,
-        }
-
-
-_SERVER_ONLY = {"host", "port", "served_model_name", "max_admitted_requests", "log_level", "not_applicable"}
-
-
-def _engine_flag_defaults() -> dict[str, object]:
-    """Defaults of the shared engine flags, read from cli.py so they are defined in one place."""
-    p = argparse.ArgumentParser(add_help=False)
-    add_engine_args(p)
-    return vars(p.parse_args([]))
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _flag(dest: str) -> str:
@@ -113,12 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="OpenAI-compatible + /generate HTTP server for one dflash-tfm engine (batch 1).",
     )
     add_engine_args(p)
-    # None = "not given", so a speculative value flag without an algorithm can be told apart from its default.
-    p.set_defaults(**{dest: None for dest in SPEC_VALUE_DESTS})
     p.add_argument("--revision", default=None, help="rejected: weights are local paths only (no hub downloads)")
     p.add_argument("--speculative-draft-model-revision", default=None, help="rejected: local paths only")
-    p.add_argument("--speculative-num-draft-tokens", type=int, default=None,
-                   help="draft tokens per step; must equal --speculative-dflash-block-size (sets it when given alone)")
     p.add_argument("--tp-size", type=int, default=1, help="tensor parallelism: only 1 is supported (one GPU)")
     p.add_argument("--max-running-requests", type=int, default=None,
                    help="requests decoded at once; the engine runs 1, so this sizes admission: "
@@ -135,15 +113,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-attention-backend", default=None)
     p.add_argument("--speculative-draft-attention-backend", default=None)
     p.add_argument("--disable-overlap-schedule", action="store_true")
-    p.add_argument("--served-model-name", default=None, help="model id in /v1/models and responses (default: model path)")
+    p.add_argument("--served-model-name", default=None,
+                   help="model id in /v1/models and responses (default: the model path's last component)")
+    p.add_argument("--api-key", default=None,
+                   help=f"require 'Authorization: Bearer KEY' on every route but /health (or set {API_KEY_ENV})")
+    p.add_argument("--allowed-hosts", nargs="+", default=None, metavar="HOST",
+                   help="Host header names accepted ('*': any); default: loopback names when bound to loopback, "
+                        "else any")
+    p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
+                   help=f"largest request body accepted (HTTP 413 beyond; default {DEFAULT_MAX_REQUEST_BYTES})")
+    p.add_argument("--timeout-read", type=float, default=DEFAULT_TIMEOUT_READ,
+                   help="seconds a client may take to send its request headers, and between body chunks "
+                        f"(default {DEFAULT_TIMEOUT_READ:g})")
+    p.add_argument("--timeout-keep-alive", type=int, default=DEFAULT_TIMEOUT_KEEP_ALIVE,
+                   help=f"seconds an idle keep-alive connection stays open (default {DEFAULT_TIMEOUT_KEEP_ALIVE})")
     p.add_argument("--host", default=DEFAULT_HOST)
     p.add_argument("--port", type=int, default=DEFAULT_PORT)
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     return p
 
 
-def server_args_from_namespace(ns: argparse.Namespace) -> ServerArgs:
+def server_args_from_namespace(ns: argparse.Namespace, environ: dict[str, str] | None = None) -> ServerArgs:
     """Check a parsed namespace and resolve defaults; raises ServerArgsError naming the offending flags."""
+    environ = os.environ if environ is None else environ
     if ns.tp_size != 1:
         raise ServerArgsError(f"--tp-size {ns.tp_size} is not supported: the engine runs on one GPU (use --tp-size 1)")
     for dest in ("revision", "speculative_draft_model_revision"):
@@ -151,44 +143,24 @@ def server_args_from_namespace(ns: argparse.Namespace) -> ServerArgs:
             raise ServerArgsError(
                 f"{_flag(dest)} is not supported: nothing is downloaded, pass a local path to the checkpoint instead"
             )
-    algo = None if ns.speculative_algorithm in (None, "NONE") else ns.speculative_algorithm
-    given_spec = [_flag(d) for d in SPEC_DESTS if getattr(ns, d) is not None]
-    if algo is None and given_spec:
-        raise ServerArgsError(f"{', '.join(given_spec)} given without --speculative-algorithm (DFLASH, DDTREE or DFLASH_TFM)")
-
-    defaults = _engine_flag_defaults()
-    block = ns.speculative_dflash_block_size
-    if ns.speculative_num_draft_tokens is not None:
-        if block is not None and block != ns.speculative_num_draft_tokens:
-            raise ServerArgsError(
-                f"--speculative-num-draft-tokens {ns.speculative_num_draft_tokens} differs from "
-                f"--speculative-dflash-block-size {block}: a DFlash step drafts one block, give one value"
-            )
-        block = ns.speculative_num_draft_tokens
-    block = defaults["speculative_dflash_block_size"] if block is None else block  # None: the drafter's own
-    budget = ns.speculative_dflash_tfm_tree_budget
-    if block is not None and block < 2:
-        raise ServerArgsError(f"--speculative-dflash-block-size must be >= 2 (root + at least one draft), got {block}")
-    if budget is not None and budget < 1:
-        raise ServerArgsError(f"--speculative-dflash-tfm-tree-budget must be >= 1, got {budget}")
-    children = ns.speculative_dflash_tfm_children_per_node
-    if children is not None and children < 1:
-        raise ServerArgsError(f"--speculative-dflash-tfm-children-per-node must be >= 1, got {children}")
-    if algo is not None and ns.speculative_draft_model_path is None:
-        raise ServerArgsError(f"--speculative-algorithm {algo} needs --speculative-draft-model-path (the DFlash drafter)")
-    if algo == "DFLASH_TFM" and ns.speculative_dflash_tfm_path is None:
-        raise ServerArgsError("--speculative-algorithm DFLASH_TFM needs --speculative-dflash-tfm-path (the Weaver checkpoint)")
-    if algo in ("DFLASH", "DDTREE") and ns.speculative_dflash_tfm_path is not None:
-        raise ServerArgsError(
-            f"--speculative-dflash-tfm-path (Weaver) is only used by DFLASH_TFM, not {algo}; "
-            "drop it or use --speculative-algorithm DFLASH_TFM"
-        )
-    for dest, lo in (("max_running_requests", 1), ("max_queued_requests", 1), ("max_model_len", 2)):
+    try:  # the embedded default target uses the bundle trained for it, as `dflash-tfm generate` does
+        spec = speculative_config_from_args(ns).with_checkpoints(DEFAULT_BUNDLE if ns.model_path is None else None)
+    except SpeculativeConfigError as e:
+        raise ServerArgsError(str(e)) from e
+    for dest, lo in (("max_running_requests", 1), ("max_queued_requests", 1), ("max_model_len", 2),
+                     ("max_request_bytes", 1), ("timeout_read", 0.001), ("timeout_keep_alive", 1)):
         value = getattr(ns, dest)
         if value is not None and value < lo:
             raise ServerArgsError(f"{_flag(dest)} must be >= {lo}, got {value}")
     if not 0 <= ns.port <= 65535:
         raise ServerArgsError(f"--port must be in [0, 65535], got {ns.port}")
+    api_key = ns.api_key if ns.api_key is not None else environ.get(API_KEY_ENV) or None
+    if api_key is not None and not api_key.strip():
+        raise ServerArgsError("--api-key must not be empty")
+    if ns.allowed_hosts is not None:
+        allowed = None if "*" in ns.allowed_hosts else frozenset(h.strip("[]").lower() for h in ns.allowed_hosts)
+    else:
+        allowed = LOOPBACK_HOSTS if is_loopback(ns.host) else None
 
     not_applicable = {
         _flag(dest) if getattr(ns, dest) is True else f"{_flag(dest)}={getattr(ns, dest)}": why
@@ -198,10 +170,7 @@ def server_args_from_namespace(ns: argparse.Namespace) -> ServerArgs:
         not_applicable[f"--max-running-requests={ns.max_running_requests}"] = (
             "the engine decodes 1 request at a time (batch 1); others wait in a FIFO queue"
         )
-    if algo == "DFLASH" and budget is not None:
-        not_applicable[f"--speculative-dflash-tfm-tree-budget={budget}"] = "DFLASH verifies a chain, not a tree"
-    if algo in ("DFLASH", "DDTREE") and children is not None:
-        not_applicable[f"--speculative-dflash-tfm-children-per-node={children}"] = f"{algo} grows no Weaver tree"
+    not_applicable.update(unused_speculative_flags(ns, spec))
     if ns.max_queued_requests is not None:
         admitted = ns.max_queued_requests
     elif ns.max_running_requests is not None:
@@ -210,31 +179,28 @@ def server_args_from_namespace(ns: argparse.Namespace) -> ServerArgs:
         admitted = DEFAULT_MAX_ADMITTED
     return ServerArgs(
         model_path=ns.model_path, dtype=ns.dtype, device=ns.device, max_model_len=ns.max_model_len,
-        speculative_algorithm=algo,
-        speculative_draft_model_path=ns.speculative_draft_model_path,
-        speculative_dflash_tfm_path=ns.speculative_dflash_tfm_path,
-        speculative_dflash_tfm_tree_budget=defaults["speculative_dflash_tfm_tree_budget"] if budget is None else budget,
-        speculative_dflash_tfm_children_per_node=(
-            defaults["speculative_dflash_tfm_children_per_node"] if children is None else children),
-        speculative_dflash_block_size=block,
-        speculative_gdn_verify_kernel=ns.speculative_gdn_verify_kernel or defaults["speculative_gdn_verify_kernel"],
-        disable_cuda_graph=ns.disable_cuda_graph,
-        host=ns.host, port=ns.port, served_model_name=ns.served_model_name,
-        max_admitted_requests=admitted, log_level=ns.log_level, not_applicable=not_applicable,
+        disable_cuda_graph=ns.disable_cuda_graph, speculative=spec, host=ns.host, port=ns.port,
+        served_model_name=ns.served_model_name, max_admitted_requests=admitted, api_key=api_key,
+        allowed_hosts=allowed, max_request_bytes=ns.max_request_bytes, timeout_read=ns.timeout_read,
+        timeout_keep_alive=ns.timeout_keep_alive, log_level=ns.log_level, not_applicable=not_applicable,
     )
 
 
-def parse_server_args(argv: list[str] | None = None) -> ServerArgs:
+def parse_server_args(argv: list[str] | None = None, environ: dict[str, str] | None = None) -> ServerArgs:
     """Parse and validate launch flags; a bad flag exits with status 2 and one `error:` line (argparse style)."""
     parser = build_parser()
     ns = parser.parse_args(argv)
     try:
-        return server_args_from_namespace(ns)
+        return server_args_from_namespace(ns, environ)
     except ServerArgsError as e:
         parser.error(str(e))
 
 
-def log_not_applicable(args: ServerArgs) -> None:
-    """One warning per accepted flag that this engine does not use, so nobody believes it took effect."""
+def log_start_warnings(args: ServerArgs) -> None:
+    """One warning per accepted flag that this engine does not use, so nobody believes it took effect, and one
+    when the server is reachable from other machines without an API key."""
     for flag, why in args.not_applicable.items():
         logger.warning("%s accepted but not applicable: %s", flag, why)
+    if args.api_key is None and not is_loopback(args.host):
+        logger.warning("serving on %s without an API key: anyone who can reach this address can use every route; "
+                       "set --api-key (or %s)", args.host, API_KEY_ENV)

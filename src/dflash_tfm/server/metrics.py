@@ -1,23 +1,37 @@
 """Prometheus metrics of one server, in its own registry (so several apps in one process never collide).
 
 Token counters move per generated token, from the engine worker, so a cancelled request counts exactly the
-tokens it really decoded. Latency histograms are observed when a request finishes normally.
+tokens it really decoded. Latency histograms are observed when a request finishes normally. Speculation
+counters (verify steps, drafted and accepted tokens) carry the algorithm as a label ("none" when decoding is
+autoregressive), so acceptance can be read as accepted / drafted and tokens per step as generated / steps.
+
+The exposition is served as text format 0.0.4, which every Prometheus 2.x scraper accepts (the client library's
+newest format, 1.0.0, is refused by scrapers before 3.0).
 """
 from __future__ import annotations
 
 from typing import Any, Awaitable, Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
 PREFIX = "dflash_tfm"
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 ACCEPT_BUCKETS = (1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 7.0, 8.0, 10.0, 12.0, 16.0)
+CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
 
 
 class ServerMetrics:
-    def __init__(self) -> None:
+    def __init__(self, algorithm: str | None = None) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        algo = {"algorithm": algorithm or "none"}
+        self.verify_steps = Counter(f"{PREFIX}_spec_verify_steps", "Target forward passes that produced tokens "
+                                    "(prefill included)", ["algorithm"], registry=r).labels(**algo)
+        self.draft_tokens = Counter(f"{PREFIX}_spec_draft_tokens", "Tokens proposed to the target for verification",
+                                    ["algorithm"], registry=r).labels(**algo)
+        self.accepted_tokens = Counter(f"{PREFIX}_spec_accepted_tokens", "Proposed tokens the target accepted",
+                                       ["algorithm"], registry=r).labels(**algo)
         self.requests = Counter(f"{PREFIX}_http_requests", "HTTP requests by endpoint and status code",
                                 ["endpoint", "status"], registry=r)
         self.aborted = Counter(f"{PREFIX}_aborted_requests", "Requests cancelled before finishing (client left)",
@@ -50,11 +64,12 @@ class RequestCounterMiddleware:
     """Pure ASGI middleware counting every HTTP response by route and status.
 
     Pure ASGI (not BaseHTTPMiddleware) so that `receive` reaches the routes untouched and disconnect
-    detection keeps working. Paths that match no route are counted as "other" to bound label cardinality.
+    detection keeps working. Requests are counted by path when it is one of `routes` (also those refused before
+    routing, e.g. 401 or 413), else as "other", to bound label cardinality.
     """
 
-    def __init__(self, app: ASGIApp, metrics: ServerMetrics) -> None:
-        self.app, self.metrics = app, metrics
+    def __init__(self, app: ASGIApp, metrics: ServerMetrics, routes: frozenset[str]) -> None:
+        self.app, self.metrics, self.routes = app, metrics, routes
 
     async def __call__(self, scope: dict, receive: Callable[[], Awaitable[dict]],
                        send: Callable[[dict], Awaitable[None]]) -> None:
@@ -72,6 +87,5 @@ class RequestCounterMiddleware:
         try:
             await self.app(scope, receive, send_and_record)
         finally:
-            route = scope.get("route")
-            endpoint = getattr(route, "path", None) or "other"
+            endpoint = scope["path"] if scope["path"] in self.routes else "other"
             self.metrics.requests.labels(endpoint=endpoint, status=str(status)).inc()

@@ -1,9 +1,11 @@
 """Request and response shapes: OpenAI chat/completions and the native (SGLang-style) `/generate`.
 
 Requests are parsed from the raw JSON in strict mode, so `"16"` is not silently taken for 16 and `true` not
-for 1.0. OpenAI requests tolerate unknown fields (clients send `user`, `metadata`, ...; the server logs them)
-but reject the known features this engine cannot honour. Native `sampling_params` rejects unknown keys, since
-a misspelled sampling key would otherwise change the output silently.
+for 1.0. Nothing a client asks for is silently dropped: OpenAI requests keep unknown top-level fields only to
+name them in the 400 ("not supported by this server: tools"); OpenAI features this engine cannot honour are
+accepted only at their neutral value (`presence_penalty: 0`, `response_format: {"type": "text"}`, ...).
+`user` is accepted, since it only identifies the caller. Native `sampling_params` and chat messages reject
+unknown keys outright, since a misspelled key would otherwise change the output silently.
 """
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ class _Strict(BaseModel):
 
 
 class _Lenient(BaseModel):
-    """Unknown fields are kept in `model_extra` so the server can log what it ignored."""
+    """Unknown fields are kept in `model_extra` so the server can name them when it refuses them."""
 
     model_config = ConfigDict(strict=True, extra="allow")
 
@@ -39,7 +41,7 @@ class _Lenient(BaseModel):
 class ErrorBody(BaseModel):
     message: str
     type: str
-    code: int
+    code: int | str
     param: str | None = None
 
 
@@ -81,14 +83,15 @@ def _short(value: object) -> str:
 
 # ---- OpenAI requests -------------------------------------------------------------------------------------
 
-class ContentPart(_Lenient):
+class ContentPart(_Strict):
     type: str
     text: str | None = None
 
 
-class ChatMessage(_Lenient):
+class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
+    name: str | None = None  # OpenAI's participant name; chat templates that know it read it
 
 
 class StreamOptions(_Strict):
@@ -110,20 +113,31 @@ class OpenAIRequest(_Lenient):
     seed: int | None = Field(default=None, **SEED_RANGE)
     stream: bool = False
     stream_options: StreamOptions | None = None
+    user: str | None = None
     # Known OpenAI features the engine cannot honour: accepted only at their neutral value.
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     logprobs: bool | int | None = None
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
 
     def unsupported(self) -> list[str]:
-        """Names of requested features this server would otherwise silently drop."""
+        """Names of requested features this server would otherwise silently drop: the known ones away from
+        their neutral value, then every unknown field."""
         bad = [name for name in ("presence_penalty", "frequency_penalty") if getattr(self, name) not in (None, 0, 0.0)]
         if self.logit_bias:
             bad.append("logit_bias")
         if self.logprobs not in (None, False, 0):
             bad.append("logprobs")
-        return bad
+        if self.tools:
+            bad.append("tools")
+        if self.tool_choice not in (None, "none", "auto"):
+            bad.append("tool_choice")
+        if self.response_format not in (None, {"type": "text"}):
+            bad.append("response_format")
+        return bad + sorted(self.model_extra or {})
 
     def sampling_params(self, max_new_tokens: int) -> SamplingParams:
         """Validated SamplingParams (ValueError names the bad field). OpenAI's default temperature is 1."""

@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
+from dflash_tfm.engine.result import GenerationStats
 from dflash_tfm.sampling_params import SamplingParams
 from dflash_tfm.server.metrics import ServerMetrics
 
@@ -96,18 +97,27 @@ class Scheduler:
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
+    def check_room(self) -> None:
+        """QueueFullError now if a request could not be admitted: handlers call it before tokenizing, so a
+        server at capacity refuses without doing any work for the request. (`submit` checks again.)"""
+        with self._cond:
+            self._check_room()
+
+    def _check_room(self) -> None:
+        if self._stopping:
+            raise QueueFullError("server is shutting down")
+        admitted = len(self._waiting) + (self._running is not None)
+        if admitted >= self.max_admitted:
+            raise QueueFullError(
+                f"server is at capacity: {admitted} requests admitted (1 decoding at a time, the rest waiting), "
+                f"limit {self.max_admitted} (--max-queued-requests, default 16 x --max-running-requests); retry later"
+            )
+
     def submit(self, prompt_ids: list[int], params: SamplingParams, arrived: float) -> Job:
         """Admit a request at the back of the queue (call from the event loop); QueueFullError when full."""
         job = Job(prompt_ids, params, asyncio.get_running_loop(), arrived)
         with self._cond:
-            if self._stopping:
-                raise QueueFullError("server is shutting down")
-            admitted = len(self._waiting) + (self._running is not None)
-            if admitted >= self.max_admitted:
-                raise QueueFullError(
-                    f"server is at capacity: {admitted} requests admitted (1 decoding at a time, the rest waiting), "
-                    f"limit {self.max_admitted} (--max-queued-requests, default 16 x --max-running-requests); retry later"
-                )
+            self._check_room()
             self._waiting.append(job)
             self._publish_counts()
             self._cond.notify()
@@ -159,6 +169,14 @@ class Scheduler:
         with self._cond:
             job.finished = True
 
+    def _count_speculation(self, stats: GenerationStats, counted: GenerationStats) -> None:
+        m = self.metrics
+        m.verify_steps.inc(stats.verify_steps - counted.verify_steps)
+        m.draft_tokens.inc(stats.draft_tokens - counted.draft_tokens)
+        m.accepted_tokens.inc(stats.accepted_draft_tokens - counted.accepted_draft_tokens)
+        counted.verify_steps, counted.draft_tokens = stats.verify_steps, stats.draft_tokens
+        counted.accepted_draft_tokens = stats.accepted_draft_tokens
+
     def _run(self, job: Job) -> None:
         """Decode one job, checking its cancel flag between tokens; closing the stream stops the engine."""
         if job.cancelled.is_set():
@@ -166,6 +184,7 @@ class Scheduler:
         m = self.metrics
         stream = self.engine.stream(job.prompt_ids, job.params)
         first_at: float | None = None
+        counted = GenerationStats()  # what the speculation counters already hold of this request
         try:
             for delta in stream:
                 now = time.perf_counter()
@@ -176,6 +195,7 @@ class Scheduler:
                     m.prefill.observe(delta.stats.prefill_seconds)
                 m.generation_tokens.inc(len(delta.token_ids))
                 delta = replace(delta, stats=replace(delta.stats))  # the engine reuses its stats object
+                self._count_speculation(delta.stats, counted)
                 if delta.finish_reason is not None:
                     self._finish(job)
                     job.deliver(delta)

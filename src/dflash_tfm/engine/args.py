@@ -1,0 +1,29 @@
+"""The flags that build an `Engine`, shared by `dflash-tfm generate`, the demo's siblings and the server:
+the target (path, dtype, device, context), CUDA graphs, and the speculative flags of `SpeculativeConfig`."""
+from __future__ import annotations
+
+import argparse
+from typing import TYPE_CHECKING
+
+from dflash_tfm.speculative_config import add_speculative_args, speculative_config_from_args
+
+if TYPE_CHECKING:
+    from dflash_tfm.engine.engine import Engine
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model-path", default=None, help="local HF directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
+    p.add_argument("--device", default=None, help="cuda, cuda:1, cpu (default: cuda if available)")
+    p.add_argument("--max-model-len", type=int, default=None, help="context length the static caches are sized for")
+    p.add_argument("--disable-cuda-graph", action="store_true")
+    add_speculative_args(p)
+
+
+def engine_from_args(args: argparse.Namespace) -> Engine:
+    """The Engine the flags describe (SpeculativeConfigError, a ValueError, for impossible speculative flags).
+    Engine is imported here, not at the top, so parsing flags (`--help`, flag errors) does not load torch."""
+    from dflash_tfm.engine.engine import Engine
+
+    return Engine(args.model_path, speculative_config_from_args(args), device=args.device, dtype=args.dtype,
+                  max_model_len=args.max_model_len, use_cuda_graph=not args.disable_cuda_graph)
