@@ -17,7 +17,6 @@ from dflash_tfm.layers.linear import linear
 from dflash_tfm.layers.measured_choice import MeasuredChoice
 from dflash_tfm.layers.norm import RMSNorm, rms_norm
 from dflash_tfm.layers.rotary import RotaryEmbedding, apply_rotary, apply_rotary_to_keys
-from dflash_tfm.layers.weight_prefetch import ahead_of
 
 
 class Attention(nn.Module):
@@ -76,15 +75,14 @@ class Attention(nn.Module):
         masked, so `kv_len` may be any static bound >= positions.max() + 1 (CUDA graphs use a bucket size).
         k_cache / v_cache: [B, S, Hkv, D]. A single new token on CUDA goes through `decode_attention`.
         """
-        with ahead_of(self.o_proj, "mixer", qkv):
-            q, k, v, gate = self.project(qkv, positions, rope)
-            write_kv(k, v, positions, k_cache, v_cache)
-            keys, values = k_cache[:, :kv_len], v_cache[:, :kv_len]
-            if qkv.shape[1] == 1 and qkv.is_cuda:
-                o = decode_attention(q, k, v, keys, values, positions, self.scale)
-            else:
-                o = causal_cache_attention(q, keys, values, positions, self.scale)
-            o = self.output_gate(o, gate)
+        q, k, v, gate = self.project(qkv, positions, rope)
+        write_kv(k, v, positions, k_cache, v_cache)
+        keys, values = k_cache[:, :kv_len], v_cache[:, :kv_len]
+        if qkv.shape[1] == 1 and qkv.is_cuda:
+            o = decode_attention(q, k, v, keys, values, positions, self.scale)
+        else:
+            o = causal_cache_attention(q, keys, values, positions, self.scale)
+        o = self.output_gate(o, gate)
         return linear(o, self.o_proj)
 
     def verify(
@@ -100,9 +98,8 @@ class Attention(nn.Module):
         """Tree nodes (their projections qkv [B, N, q|k|v]) at `positions` (L + depth) attend to the L cached
         keys plus their ancestors-and-self (`ancestors` bitsets [B, N, W]). The cache is only read; the nodes'
         K/V are returned for `commit`. The output gate, if any, is applied by the attention kernel itself."""
-        with ahead_of(self.o_proj, "mixer", qkv):
-            q, k, v, gate = self.project(qkv, positions, rope)
-            o = verify_attention(q, k, v, k_cache, v_cache, cache_len, ancestors, self.scale, gate)
+        q, k, v, gate = self.project(qkv, positions, rope)
+        o = verify_attention(q, k, v, k_cache, v_cache, cache_len, ancestors, self.scale, gate)
         return linear(o.reshape(*o.shape[:2], -1), self.o_proj), (k, v)
 
 

@@ -2,8 +2,7 @@
 (a mixer's input projection, or gate_up), silu · mul into down.
 
 `CausalLM` calls these for every layer; for anything but one row on CUDA they are exactly the layers' own ops
-(residual add fused into the norm, `layers/linear.py` projections, `silu_and_mul`), the small op running while
-the projection's weight starts coming into L2 (`weight_prefetch.ahead_of`, "short" windows). For one row on
+(residual add fused into the norm, `layers/linear.py` projections, `silu_and_mul`). For one row on
 CUDA (a decode step) each may run as one Triton GEMV that computes its own input (`kernels/linear/fused_gemv.py`),
 or as the separate kernels, whichever measured faster for this shape (`MeasuredChoice`, decided at the engine's
 warm-up before a CUDA graph is captured). DFLASH_TFM_FUSED_GEMV=0 keeps the separate kernels.
@@ -19,7 +18,6 @@ from dflash_tfm.layers.linear import linear
 from dflash_tfm.layers.measured_choice import MeasuredChoice
 from dflash_tfm.layers.mlp import silu_and_mul
 from dflash_tfm.layers.norm import RMSNorm
-from dflash_tfm.layers.weight_prefetch import ahead_of
 
 BLOCKS = {f"fused {bn}x{bk}": (bn, bk) for bn in (8, 16, 32) for bk in (256, 512)}  # GEMV rows x K chunk
 # add + norm starts from the fused GEMV: timed alone, it and norm + cuBLAS came within 2 % of each other on the
@@ -41,8 +39,7 @@ def _decode_row(x: torch.Tensor) -> bool:
 def add_norm_linear(h: torch.Tensor, delta: torch.Tensor, norm: RMSNorm, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(h + delta, weight · norm(h + delta)): the residual add, the next norm and the projection after it."""
     def unfused() -> tuple[torch.Tensor, torch.Tensor]:
-        with ahead_of(weight, "short", h):
-            h_new, x = norm.add_forward(h, delta)
+        h_new, x = norm.add_forward(h, delta)
         return h_new, linear(x, weight)
 
     def fused(name: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -59,9 +56,7 @@ def add_norm_linear(h: torch.Tensor, delta: torch.Tensor, norm: RMSNorm, weight:
 def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """weight · (silu(gate) * up) for gate_up [..., 2I] laid out [gate | up]."""
     def unfused() -> torch.Tensor:
-        with ahead_of(weight, "short", gate_up):
-            act = silu_and_mul(gate_up)
-        return linear(act, weight)
+        return linear(silu_and_mul(gate_up), weight)
 
     def fused(name: str) -> torch.Tensor:
         return silu_mul_gemv(gate_up, weight, *BLOCKS[name])

@@ -28,7 +28,6 @@ from dflash_tfm.layers.linear import linear
 from dflash_tfm.layers.measured_choice import MeasuredChoice
 from dflash_tfm.layers.norm import gated_rms_norm
 from dflash_tfm.layers.short_conv import causal_conv1d
-from dflash_tfm.layers.weight_prefetch import ahead_of
 from dflash_tfm.spec.tree import TreeSpec
 
 
@@ -138,10 +137,9 @@ class GatedDeltaNet(nn.Module):
         T == 1 runs one fused kernel from the projection to the gated norm (CUDA-graph safe); prefill runs the
         chunked kernel."""
         if proj.shape[1] == 1:
-            with ahead_of(self.out_proj, "mixer", proj):
-                y = gdn_fused_decode(
-                    proj, self.conv_weight, conv_window, self.A_log, self.dt_bias,
-                    self.norm_weight, state, hk=self.hk, dk=self.dk, hv=self.hv, dv=self.dv, eps=self.eps)
+            y = gdn_fused_decode(
+                proj, self.conv_weight, conv_window, self.A_log, self.dt_bias,
+                self.norm_weight, state, hk=self.hk, dk=self.dk, hv=self.hv, dv=self.dv, eps=self.eps)
             return linear(y, self.out_proj)
         q, k, v, z, beta, g, new_window = gdn_inputs(
             proj, self.conv_weight, conv_window, self.A_log, self.dt_bias,
@@ -164,9 +162,8 @@ class GatedDeltaNet(nn.Module):
         from the committed state and conv window, which are only read. Returns what `commit` needs; `keep`
         (this layer's `GDNCommitStacks.layer` slices, chunk kernel) receives it in place."""
         keep_mixed, u_out, G_out = (None, None, None) if keep is None else keep
-        with ahead_of(self.out_proj, "mixer", proj):
-            o, z, ctx = self.tree_solve(proj, state, conv_window, tree, kernel, keep_mixed, u_out, G_out)
-            y = self.output_norm(o, z)
+        o, z, ctx = self.tree_solve(proj, state, conv_window, tree, kernel, keep_mixed, u_out, G_out)
+        y = self.output_norm(o, z)
         return linear(y, self.out_proj), (proj[..., : self.conv_dim] if keep_mixed is None else keep_mixed, ctx)
 
     def tree_solve(
