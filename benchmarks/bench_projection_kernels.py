@@ -2,8 +2,7 @@
 
 What `MeasuredChoice` decides silently, as a table: for one row (a decode step) the separate kernels (add +
 RMSNorm, cuBLAS GEMV; silu · mul, cuBLAS GEMV) against the fused Triton GEMVs; for 16 and 65 rows (drafter
-block, tree verify) cuBLAS against each skinny-matmul configuration and each algorithm of cuBLASLt's ranked
-list (with nvmath-python). Times are `triton.testing.do_bench` medians; TB/s counts the weight bytes only.
+block, tree verify) cuBLAS against each skinny-matmul configuration. Times are `triton.testing.do_bench` medians; TB/s counts the weight bytes only.
 
     python -m benchmarks.bench_projection_kernels [--rows 1 16 65]
 """
@@ -16,7 +15,6 @@ import torch.nn.functional as F
 from triton.testing import do_bench
 
 from dflash_tfm.config import ModelConfig
-from dflash_tfm.kernels.linear import cublaslt_algorithms
 from dflash_tfm.kernels.linear.fused_gemv import add_norm_gemv, silu_mul_gemv
 from dflash_tfm.kernels.linear.skinny_matmul import candidate_configs, skinny_matmul
 from dflash_tfm.layers.fused_projections import BLOCKS
@@ -53,15 +51,13 @@ def main() -> None:
     dev, dt = torch.device("cuda"), torch.bfloat16
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     print(f"{torch.cuda.get_device_name()}; median ms (do_bench); TB/s = weight bytes / time\n")
-    print("| rows | projection | N x K | separate / cuBLAS ms | best Triton ms | Triton config | best cuBLASLt "
-          "algorithm ms | algorithm | TB/s (best) |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| rows | projection | N x K | separate / cuBLAS ms | best Triton ms | Triton config | TB/s (best) |")
+    print("|---|---|---|---|---|---|---|")
     for name, (N, K) in shapes(cfg).items():
         w = torch.randn(N, K, device=dev, dtype=dt) / K**0.5
         gb = w.numel() * 2 / 1e12
         for rows in args.rows:
             triton_times: dict[str, float] = {}
-            lt_times: dict[str, float] = {}
             if rows == 1:
                 if name == "mlp down":
                     gate_up = torch.randn(1, 1, 2 * K, device=dev, dtype=dt)
@@ -84,14 +80,9 @@ def main() -> None:
                         triton_times[str(config)] = ms(lambda c=config: skinny_matmul(x, w, c))
                     except Exception as e:  # noqa: BLE001 — a config that does not compile is reported, not fatal
                         print(f"  ({name}, rows {rows}: {config} failed: {type(e).__name__})")
-                lt = cublaslt_algorithms.problem(rows, N, K, dt, dev)
-                for i, label in enumerate(lt.names if lt is not None else []):
-                    lt_times[label] = ms(lambda i=i: lt.run(x, w, i))
-            cells, fastest = [], base
-            for times in (triton_times, lt_times):
-                best = min(times, key=times.get, default=None)
-                cells += [f"{times[best]:.4f}", best] if best else ["—", "—"]
-                fastest = min(fastest, times.get(best, fastest))
+            best = min(triton_times, key=triton_times.get, default=None)
+            cells = [f"{triton_times[best]:.4f}", best] if best else ["—", "—"]
+            fastest = min(base, triton_times.get(best, base))
             print(f"| {rows} | {name} | {N} x {K} | {base:.4f} | {' | '.join(cells)} | {gb / (fastest / 1e3):.2f} |",
                   flush=True)
         del w

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one call on the device machine (H200): GPU tests at real sizes, then
 # the benchmarks. Logs and JSON land in $OUT (default ./out); a short table is printed last.
-#   device run:  bash scripts/gpu_check.sh            (carry: .whl with the fla-core, gguf, nvmath-python wheels)
+#   device run:  bash scripts/gpu_check.sh            (carry: .whl with the fla-core and gguf wheels)
 # Set GPU_CHECK_PARTS to a subset of "tests kernels tree ar verify draft spec projections profile
 # profile_verify train" to run only those parts, GPU_TESTS to test paths, VERIFY_NS to the verify step's tree
 # sizes. All parts

@@ -1,5 +1,4 @@
-"""Projections: cuBLAS (whole, or in 2 / 4 column parts), cuBLASLt (any of its ranked algorithms) or the Triton
-skinny matmul for 1 … 128 rows, whichever measured fastest for that shape.
+"""Projections: cuBLAS (whole, or in 2 / 4 column parts), cuBLASLt or the Triton skinny matmul for 1 … 128 rows, whichever measured fastest for that shape.
 
 Tree verify (N = budget + 1 rows) and drafter blocks (16 rows) multiply a few rows by large weights, where
 cuBLAS's GEMM tiles may stream the weights more slowly than its batch-1 GEMV does; and a decode step's one row
@@ -8,8 +7,7 @@ rows reached more (docs/PERFORMANCE.md), so it is timed too. Only code inside `s
 speculative step and the decode step, whose row counts are fixed) is considered, so prefills of short prompts
 never pay for a choice. Which kernel runs is decided per exact (rows, N, K, dtype)
 the first time the shape is seen outside a CUDA-graph capture (`MeasuredChoice`): cuBLAS, the same GEMM through
-cuBLASLt (its own heuristic picks other tiles and split-K variants for few rows), each of the algorithms that
-heuristic ranks next (`kernels/linear/cublaslt_algorithms.py`, with nvmath-python) and every Triton configuration
+cuBLASLt (its own heuristic picks other tiles and split-K variants for few rows) and every Triton configuration
 are timed and the fastest is kept for the process. DFLASH_TFM_SKINNY_GEMM=0 keeps cuBLAS everywhere.
 """
 from __future__ import annotations
@@ -21,7 +19,6 @@ from typing import Iterator
 import torch
 import torch.nn.functional as F
 
-from dflash_tfm.kernels.linear import cublaslt_algorithms
 from dflash_tfm.kernels.linear.skinny_matmul import MAX_ROWS, SkinnyConfig, candidate_configs, skinny_matmul
 from dflash_tfm.layers.measured_choice import MeasuredChoice
 
@@ -57,13 +54,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return F.linear(x, weight)
     if name in PARTS:
         return cublas_in_parts(x, weight, PARTS[name])
-    if name.startswith(LT_PREFIX):
-        return cublaslt_algorithms.problem(rows, *weight.shape, x.dtype, x.device).run(
-            x, weight, cublaslt_algorithms.algorithm_index(name))
     return cublaslt_linear(x, weight) if name == "cublaslt" else skinny_matmul(x, weight, _configs[name])
 
 
-LT_PREFIX, MIN_LT_ROWS = "cublaslt#", 2  # candidate names of `cublaslt_algorithms`; one row is cuBLAS's GEMV
 PARTS = {"cublas/2": 2, "cublas/4": 4}  # candidate names of `cublas_in_parts`
 MIN_PARTS_ROWS, MIN_PARTS_WIDTH = 17, 16384  # where they are timed: tree verify's row counts, wide weights
 
@@ -101,10 +94,6 @@ def _candidates(x: torch.Tensor, weight: torch.Tensor, rows: int) -> dict:
         for name, parts in PARTS.items():
             if weight.shape[0] % (8 * parts) == 0:
                 candidates[name] = lambda parts=parts: cublas_in_parts(x, weight, parts)
-    lt = (cublaslt_algorithms.problem(rows, *weight.shape, x.dtype, x.device)
-          if rows >= MIN_LT_ROWS and weight.dtype == x.dtype else None)
-    for i, name in enumerate(lt.names if lt is not None else []):
-        candidates[name] = lambda i=i: lt.run(x, weight, i)
     for config in candidate_configs(rows, weight.shape[0], weight.shape[1], sms):
         _configs[str(config)] = config
         candidates[str(config)] = lambda c=config: skinny_matmul(x, weight, c)
