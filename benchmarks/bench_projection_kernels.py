@@ -1,7 +1,7 @@
 """Every projection kernel choice at Qwen3.6-27B shapes, with its margins (GPU script).
 
 What `MeasuredChoice` decides silently, as a table: for one row (a decode step) the separate kernels (add +
-RMSNorm, cuBLAS GEMV; silu · mul, cuBLAS GEMV) against the fused Triton GEMVs; for 16 and 65 rows (drafter
+RMSNorm, cuBLAS GEMV) against the fused Triton GEMV; for 16 and 65 rows (drafter
 block, tree verify) cuBLAS against each skinny-matmul configuration. Times are `triton.testing.do_bench` medians; TB/s counts the weight bytes only.
 
     python -m benchmarks.bench_projection_kernels [--rows 1 16 65]
@@ -15,10 +15,8 @@ import torch.nn.functional as F
 from triton.testing import do_bench
 
 from dflash_tfm.config import ModelConfig
-from dflash_tfm.kernels.linear.fused_gemv import add_norm_gemv, silu_mul_gemv
+from dflash_tfm.kernels.linear.fused_gemv import add_norm_gemv
 from dflash_tfm.kernels.linear.skinny_matmul import candidate_configs, skinny_matmul
-from dflash_tfm.layers.fused_projections import BLOCKS
-from dflash_tfm.layers.mlp import silu_and_mul
 from dflash_tfm.layers.norm import add_rms_norm
 from dflash_tfm.models.presets import QWEN3_6_27B
 
@@ -59,16 +57,10 @@ def main() -> None:
         for rows in args.rows:
             triton_times: dict[str, float] = {}
             if rows == 1:
-                if name == "mlp down":
-                    gate_up = torch.randn(1, 1, 2 * K, device=dev, dtype=dt)
-                    base = ms(lambda: F.linear(silu_and_mul(gate_up), w))
-                    for label, (bn, bk) in BLOCKS.items():
-                        triton_times[label] = ms(lambda bn=bn, bk=bk: silu_mul_gemv(gate_up, w, bn, bk))
-                elif name in ("attn qkv", "gdn in_proj", "mlp gate_up"):
+                if name in ("attn qkv", "gdn in_proj", "mlp gate_up"):
                     h, delta, g = (torch.randn(1, 1, K, device=dev, dtype=dt) for _ in range(3))
                     base = ms(lambda: F.linear(add_rms_norm(h, delta, g, 1e-6, True)[1], w))
-                    for label, (bn, bk) in BLOCKS.items():
-                        triton_times[label] = ms(lambda bn=bn, bk=bk: add_norm_gemv(h, delta, g, 1e-6, True, w, bn, bk))
+                    triton_times["fused add + norm GEMV"] = ms(lambda: add_norm_gemv(h, delta, g, 1e-6, True, w))
                 else:
                     x = torch.randn(1, 1, K, device=dev, dtype=dt)
                     base = ms(lambda: F.linear(x, w))

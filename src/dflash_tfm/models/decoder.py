@@ -16,10 +16,10 @@ from torch import nn
 from dflash_tfm.config import FULL_ATTENTION, ModelConfig
 from dflash_tfm.kernels.attention.tree_attention import accepted_slots, write_accepted_kv
 from dflash_tfm.layers.attention import Attention
-from dflash_tfm.layers.fused_projections import add_norm_linear, silu_mul_linear
+from dflash_tfm.layers.fused_projections import add_norm_linear
 from dflash_tfm.layers.gated_deltanet import GatedDeltaNet, GDNCommitStacks, commit_gdn_layers
 from dflash_tfm.layers.linear import linear
-from dflash_tfm.layers.mlp import SwiGLU
+from dflash_tfm.layers.mlp import SwiGLU, silu_and_mul
 from dflash_tfm.layers.norm import RMSNorm
 from dflash_tfm.layers.rotary import RotaryEmbedding
 from dflash_tfm.spec.tree import TreeSpec
@@ -98,7 +98,7 @@ class CausalLM(nn.Module):
         proj = linear(first.input_norm(h), first.mixer.in_weight)
         for i, layer in enumerate(self.layers):
             h, gate_up = add_norm_linear(h, mixer(i, layer, proj), layer.post_norm, layer.mlp.gate_up)
-            mlp_out = silu_mul_linear(gate_up, layer.mlp.down)
+            mlp_out = linear(silu_and_mul(gate_up), layer.mlp.down)
             if i in tap_layers:
                 taps.append(h + mlp_out)
             if i + 1 < len(self.layers):
