@@ -36,7 +36,6 @@ from dflash_tfm.kernels.tree_growth.weaver_step import rows_matmul_choice
 from dflash_tfm.layers.attention import verify_attention_choice
 from dflash_tfm.layers.gated_deltanet import gdn_verify_path_choice
 from dflash_tfm.layers.linear import projection_choice, skinny_projections
-from dflash_tfm.layers.norm import add_norm_rows_choice
 from dflash_tfm.loading.loader import build_model
 from dflash_tfm.models.presets import QWEN3_6_27B
 from dflash_tfm.models.random_init import init_random_
@@ -155,7 +154,7 @@ def main() -> None:
                    fused_step_row_matmul=rows_matmul_choice, rescore_pool=rescore_choice,
                    publish_children=publish_choice, draft_attention=block_attention_choice,
                    gdn_fold=fold_choice, verify_attention=verify_attention_choice,
-                   gdn_verify_path=gdn_verify_path_choice, add_norm_rows=add_norm_rows_choice)
+                   gdn_verify_path=gdn_verify_path_choice)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=2)

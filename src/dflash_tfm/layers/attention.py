@@ -139,9 +139,7 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, k_cache:
     v_cache.index_put_((batch, positions), v.to(v_cache.dtype))
 
 
-decode_attention_choice = MeasuredChoice(default="sdpa")
-# Cache splits the tree kernel is also timed with (besides its own heuristic), by candidate name.
-DECODE_SPLITS = {f"tree_kernel s{n}": n for n in (4, 8, 16, 32, 64)}
+DECODE_SPLITS = 32
 MIN_KEYS_PER_DECODE_SPLIT = 32  # one key tile of the tree kernel at head dim > 128
 
 
@@ -149,27 +147,16 @@ def decode_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     positions: torch.Tensor, scale: float,
 ) -> torch.Tensor:
-    """One new token per row (q [B, 1, H, D], its k, v [B, 1, Hkv, D] already written at `positions` [B, 1]):
-    SDPA with a position mask, or the split-KV tree-attention kernel with the token as a one-node tree over
-    the cache's first `positions` slots (its own split heuristic, or a fixed split count "tree_kernel sN"),
-    whichever measured fastest for this shape (`MeasuredChoice`)."""
-    def sdpa() -> torch.Tensor:
-        return causal_cache_attention(q, k_cache, v_cache, positions, scale)
-
-    def tree_kernel(splits: int | None = None) -> torch.Tensor:
-        itself = torch.ones(q.shape[0], 1, 1, dtype=torch.long, device=q.device)  # ancestor bitset: bit 0
-        return tree_attention(q, k_cache, v_cache, positions[:, 0], k, v, itself, scale, num_splits=splits)
-
-    def candidates() -> dict:
-        fixed = {name: (lambda n=n: tree_kernel(n)) for name, n in DECODE_SPLITS.items()
-                 if n * MIN_KEYS_PER_DECODE_SPLIT <= k_cache.shape[1]}
-        return {"sdpa": sdpa, "tree_kernel": tree_kernel} | fixed
-
-    # Keyed by the power of two above the key count: a caller whose key length changes every step (not a
-    # bucket) would otherwise re-time the candidates every step.
-    key = (*q.shape, 1 << (k_cache.shape[1] - 1).bit_length(), k_cache.shape[2], q.dtype)
-    name = decode_attention_choice.pick(key, candidates)
-    return sdpa() if name == "sdpa" else tree_kernel(DECODE_SPLITS.get(name))
+    """One new token per row (q [B, 1, H, D], its k, v [B, 1, Hkv, D] already written at `positions` [B, 1]) on
+    CUDA: the split-KV tree-attention kernel with the token as a one-node tree over the cache's first
+    `positions` slots, in `DECODE_SPLITS` cache splits (fewer for a short cache: at least
+    `MIN_KEYS_PER_DECODE_SPLIT` keys each). On the H200 that beat SDPA and every other split count at both
+    key-length buckets the 27B decode step was timed at (2048 keys: 8.7 µs against SDPA's 11.1, 16 splits 9.5;
+    8192 keys: 12.1 against 17.1; docs/PERFORMANCE.md, session 16)."""
+    itself = torch.ones(q.shape[0], 1, 1, dtype=torch.long, device=q.device)  # ancestor bitset: bit 0
+    splits = max(1, min(DECODE_SPLITS, k_cache.shape[1] // MIN_KEYS_PER_DECODE_SPLIT))
+    splits = 1 << (splits.bit_length() - 1)  # a power of two
+    return tree_attention(q, k_cache, v_cache, positions[:, 0], k, v, itself, scale, num_splits=splits)
 
 
 verify_attention_choice = MeasuredChoice(default="tree_kernel")
