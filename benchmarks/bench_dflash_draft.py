@@ -25,7 +25,7 @@ from benchmarks.timing import report_choices, time_ms
 from dflash_tfm.layers.linear import projection_choice, skinny_projections
 from dflash_tfm.models.presets import QWEN3_6_27B
 from dflash_tfm.models.random_init import init_random_
-from dflash_tfm.spec.dflash import DFlashDrafter, block_attention_choice
+from dflash_tfm.spec.dflash import DFlashDrafter
 from dflash_tfm.spec.dflash_config import DFlashConfig
 
 S, F = "sliding_attention", "full_attention"
@@ -112,7 +112,7 @@ def main() -> None:
     print(f"\n{torch.cuda.get_device_name()}; copy bandwidth {bw / 1e12:.2f} TB/s; drafter weights "
           f"{weight_bytes / 1e9:.2f} GB + lm_head {head_bytes / 1e9:.2f} GB")
     choices: dict = {}
-    report_choices(choices, draft_attention=block_attention_choice, projections=projection_choice)
+    report_choices(choices, projections=projection_choice)
     print("| context | kv_len | draft eager ms | draft graph ms | floor ms | % of floor (graph) | append 16 ms |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:

@@ -40,7 +40,7 @@ from dflash_tfm.loading.loader import build_model
 from dflash_tfm.models.presets import QWEN3_6_27B
 from dflash_tfm.models.random_init import init_random_
 from dflash_tfm.sampling_params import SamplingParams
-from dflash_tfm.spec.dflash import DFlashDrafter, block_attention_choice
+from dflash_tfm.spec.dflash import DFlashDrafter
 from dflash_tfm.spec.dflash_config import DFlashConfig
 from dflash_tfm.spec.weaver_fixtures import write_random_weaver_checkpoint
 from dflash_tfm.spec.weaver_tree import round_kernel_choice
@@ -152,7 +152,7 @@ def main() -> None:
               + " |")
     report_choices(results, projections=projection_choice, weaver_round=round_kernel_choice,
                    fused_step_row_matmul=rows_matmul_choice, rescore_pool=rescore_choice,
-                   publish_children=publish_choice, draft_attention=block_attention_choice,
+                   publish_children=publish_choice,
                    gdn_fold=fold_choice, verify_attention=verify_attention_choice,
                    gdn_verify_path=gdn_verify_path_choice)
     if args.out:

@@ -232,10 +232,11 @@ def test_triton_decode_attention_equals_sdpa(bucket: int, triton_device: str) ->
 
 
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("name", ["sdpa", "tree_kernel"])
-def test_triton_drafter_block_attention_choices_agree(name: str, causal: bool, triton_device: str) -> None:
+@pytest.mark.parametrize("devices", [(), ("cpu",)], ids=["sdpa", "tree_kernel"])
+def test_triton_drafter_block_attention_paths_agree(devices: tuple, causal: bool, triton_device: str,
+                                                    monkeypatch) -> None:
     """The drafter's block attention with no window in the way (the context before the block + the block, all of
-    it or causally) through either candidate of `block_attention` equals plain attention over those keys."""
+    it or causally) through either path of `block_attention` equals plain attention over those keys."""
     from dflash_tfm.spec import dflash
 
     gen = torch.Generator().manual_seed(1)
@@ -252,10 +253,6 @@ def test_triton_drafter_block_attention_choices_agree(name: str, causal: bool, t
     if causal:  # block query i sees the context and block keys 0 .. i
         scores = scores.masked_fill(torch.arange(L + B, device=triton_device) > positions[0, :, None, None], float("-inf"))
     expected = torch.einsum("qhk,khd->qhd", scores.softmax(-1), values)
-    key = (*q.shape, *k_cache.shape[2:], kv_len, causal, q.dtype, q.device)
-    dflash.block_attention_choice.choices[key] = name
-    try:
-        got = dflash.block_attention(q, k, v, k_cache, v_cache, positions, kv_len, mask, D**-0.5, causal)
-    finally:
-        del dflash.block_attention_choice.choices[key]
+    monkeypatch.setattr(dflash, "TREE_KERNEL_DEVICES", devices)
+    got = dflash.block_attention(q, k, v, k_cache, v_cache, positions, kv_len, mask, D**-0.5, causal)
     assert rel_err(got.view(B, Hq, D), expected) <= 1e-4
