@@ -31,7 +31,6 @@ from dflash_tfm.engine.decoder_factory import build_proposer
 from dflash_tfm.engine.model_runner import ModelRunner
 from dflash_tfm.engine.speculative import SpeculativeDecoder
 from dflash_tfm.kernels.gdn.tree_commit import fold_choice
-from dflash_tfm.kernels.tree_growth.weaver_round import publish_choice, rescore_choice
 from dflash_tfm.kernels.tree_growth.weaver_step import rows_matmul_choice
 from dflash_tfm.layers.attention import verify_attention_choice
 from dflash_tfm.layers.gated_deltanet import gdn_verify_path_choice
@@ -43,7 +42,6 @@ from dflash_tfm.sampling_params import SamplingParams
 from dflash_tfm.spec.dflash import DFlashDrafter
 from dflash_tfm.spec.dflash_config import DFlashConfig
 from dflash_tfm.spec.weaver_fixtures import write_random_weaver_checkpoint
-from dflash_tfm.spec.weaver_tree import round_kernel_choice
 
 PHASES = ("draft", "tree", "verify", "commit")
 
@@ -150,9 +148,7 @@ def main() -> None:
     for name, r in results["modes"].items():
         print(f"| {name} | " + " | ".join(f"{r.get(p + '_alone', float('nan')):.2f}" for p in ("draft", "tree", "verify"))
               + " |")
-    report_choices(results, projections=projection_choice, weaver_round=round_kernel_choice,
-                   fused_step_row_matmul=rows_matmul_choice, rescore_pool=rescore_choice,
-                   publish_children=publish_choice,
+    report_choices(results, projections=projection_choice, fused_step_row_matmul=rows_matmul_choice,
                    gdn_fold=fold_choice, verify_attention=verify_attention_choice,
                    gdn_verify_path=gdn_verify_path_choice)
     if args.out:

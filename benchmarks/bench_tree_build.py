@@ -24,7 +24,6 @@ import torch
 from benchmarks.kernel_profile import print_kernel_table
 from benchmarks.timing import capture, report_choices, time_ms
 from dflash_tfm.config import ModelConfig
-from dflash_tfm.kernels.tree_growth.weaver_round import publish_choice, rescore_choice
 from dflash_tfm.kernels.tree_growth.weaver_step import rows_matmul_choice
 from dflash_tfm.spec.chain import build_chain
 from dflash_tfm.spec.ddtree import build_ddtree
@@ -87,8 +86,7 @@ def main() -> None:
         width = round_width(budget, children) if children else 0
         rounds = f"{-(-budget // width)} × {width}" if children else "—"
         print(f"| {name} | {budget} | {children or '—'} | {rounds} | {eager:.3f} | {replay} |")
-    report_choices({}, fused_step_row_matmul=rows_matmul_choice, rescore_pool=rescore_choice,
-                   publish_children=publish_choice)  # the tiles the triton_fused builds timed
+    report_choices({}, fused_step_row_matmul=rows_matmul_choice)  # the tiles the triton_fused builds timed
     if args.profile:
         budget = max(args.budgets)
         print()

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from dflash_tfm.kernels import TRITON_INTERPRETED
-from dflash_tfm.kernels.tree_growth import weaver_round, weaver_step
-from dflash_tfm.spec.weaver import load_weaver
+from dflash_tfm.kernels.tree_growth import reference, weaver_round, weaver_step
+from dflash_tfm.spec.weaver import NORM_EPS, load_weaver
 from dflash_tfm.spec.weaver_fixtures import write_random_weaver_checkpoint
 
 from ..spec.test_weaver import BLOCK, HIDDEN, K, tiny_target
@@ -66,8 +66,9 @@ def test_triton_weaver_step_matches_torch_step(variant: int, layers: int, triton
     # The output norm fused into the pool re-scoring equals re-scoring the torch step's queries.
     gen = torch.Generator().manual_seed(0)
     pool_logits, pool_ids = torch.randn(K, weaver.w_res.shape[0], generator=gen).to(triton_device).topk(24, dim=-1)
-    fused = weaver_round.rescore_pool(weaver.w_res, rows, pool_ids, pool_logits, depths, nodes, norm=weaver.out_norm)
-    plain = weaver_round.rescore_pool(weaver.w_res, want, pool_ids, pool_logits, depths, nodes)
+    norm = (weaver.out_norm.weight, weaver.out_norm.bias, NORM_EPS)
+    fused = weaver_round.rescore_pool(weaver.w_res, rows, pool_ids, pool_logits, depths, nodes, norm)
+    plain = reference.rescore_pool_reference(weaver.w_res, want, pool_ids, pool_logits, depths, nodes)
     assert rel_err(fused, plain) <= 1e-5
 
 
@@ -128,7 +129,7 @@ def test_kernels_compile_for_hopper() -> None:
     cases = [(weaver_step._rows_matmul_kernel, matmul, dict(f, PRECISION="tf32", BM=16, BN=32, BK=128, SPLIT=1))
              for f in step_flags]
     cases += [(weaver_step._node_attention_kernel, attention, dict(ROTARY=r, D=128, BT=32)) for r in (True, False)]
-    cases += [(weaver_round._rescore_pool_kernel, rescore, dict(NORM=n, BP=16, BD=256)) for n in (True, False)]
+    cases.append((weaver_round._rescore_pool_kernel, rescore, dict(BP=weaver_round.RESCORE_POOL_ROWS, BD=256)))
     # The round's bookkeeping at both tree widths (8 published, 16 default) for 65- and 129-node trees.
     publish = dict(logits="*fp32", pool_ids=i64, depths=i64, scores="*fp32", frontier_score="*fp32",
                    frontier_token=i64, nodes=i64, P="i32", K="i32")
@@ -140,12 +141,8 @@ def test_kernels_compile_for_hopper() -> None:
                                                                  BN=triton.next_power_of_2(n)))
                   for n, w in ((65, 4), (129, 8))]
     options = [{"num_warps": 4}] * len(cases)
-    for BP, warps in weaver_round.RESCORE_TILES.values():  # the timed launch shapes of re-scoring and publishing
-        cases.append((weaver_round._rescore_pool_kernel, rescore, dict(NORM=True, BP=BP, BD=256)))
-        options.append({"num_warps": warps})
-    for warps in weaver_round.PUBLISH_WARPS.values():
-        cases.append((weaver_round._publish_children_kernel, publish, dict(C=16, BP=512, FLOOR=-1e30)))
-        options.append({"num_warps": warps})
+    cases.append((weaver_round._publish_children_kernel, publish, dict(C=16, BP=512, FLOOR=-1e30)))
+    options.append({"num_warps": weaver_round.PUBLISH_WARPS})
     for tile in filter(None, weaver_step.ROW_TILES.values()):  # the timed tiles, on SwiGLU's flags (+ residual)
         BN, BK, warps, stages, split = tile
         for flags in (step_flags[3], step_flags[2]):

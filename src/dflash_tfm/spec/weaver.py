@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash_tfm.config import ModelConfig
-from dflash_tfm.kernels.tree_growth.reference import pool_logits_plus_residual
+from dflash_tfm.kernels.tree_growth.reference import pool_logits_plus_residual, weaver_norm
 from dflash_tfm.layers.compile import fuse_on_cuda
 from dflash_tfm.loading.errors import CheckpointError, CheckpointNotFoundError
 
@@ -131,9 +131,7 @@ class WeaverNorm(nn.Module):
         self.bias = nn.Parameter(torch.empty(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + NORM_EPS)
-        return (y * self.weight.float() + self.bias.float()).to(x.dtype)
+        return weaver_norm(x, self.weight, self.bias, NORM_EPS)
 
 
 class WeaverBlock(nn.Module):

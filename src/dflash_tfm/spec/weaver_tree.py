@@ -16,14 +16,11 @@ no host sync, CUDA-graph capturable.
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from dflash_tfm.kernels.tree_growth import reference, weaver_round, weaver_step
 from dflash_tfm.layers.compile import fuse_on_cuda
-from dflash_tfm.layers.measured_choice import MeasuredChoice
-from dflash_tfm.spec.weaver import Weaver, WeaverCache
+from dflash_tfm.spec.weaver import NORM_EPS, Weaver, WeaverCache
 
 ROUND_UNIT = 16  # nodes per batched Weaver step = ceil(budget / 16)
 # Children an expanded node publishes. The published system uses 8; 16 measured better here: exact expected
@@ -81,30 +78,26 @@ def expand_nodes(
 def expand_nodes_with_kernels(
     nodes: torch.Tensor, weaver: Weaver, cache: WeaverCache, tokens: torch.Tensor, depths: torch.Tensor,
     ancestors: torch.Tensor, scores: torch.Tensor, pool_ids: torch.Tensor, pool_logits: torch.Tensor,
-    frontier_score: torch.Tensor, frontier_token: torch.Tensor, fused_step: bool = False,
+    frontier_score: torch.Tensor, frontier_token: torch.Tensor,
 ) -> None:
-    """:func:`expand_nodes` with the re-scoring and publishing as two Triton launches. ``fused_step``: the Weaver
-    step too (``kernels.tree_growth.weaver_step``, five launches per block; its output norm then runs inside
-    the re-scoring), else the compiled torch step."""
-    if fused_step:
-        query, norm = weaver_step.weaver_step_rows(weaver, cache, nodes, tokens, depths, ancestors), weaver.out_norm
-    else:
-        query, norm = node_queries_compiled(nodes, weaver, cache, tokens, depths, ancestors), None
-    logits = weaver_round.rescore_pool(weaver.w_res, query, pool_ids, pool_logits, depths, nodes, norm=norm)
+    """:func:`expand_nodes` as Triton launches: the Weaver step (``kernels.tree_growth.weaver_step``, five per
+    block), the re-scoring with the step's output norm in it, and the publishing."""
+    rows = weaver_step.weaver_step_rows(weaver, cache, nodes, tokens, depths, ancestors)
+    norm = (weaver.out_norm.weight, weaver.out_norm.bias, NORM_EPS)
+    logits = weaver_round.rescore_pool(weaver.w_res, rows, pool_ids, pool_logits, depths, nodes, norm)
     weaver_round.publish_children(logits, pool_ids, depths, scores, frontier_score, frontier_token, nodes)
 
 
 # On CUDA each is one compiled function: inductor fuses the step's norms, RoPE, softmax and scoring into a few
 # kernels (a round is launch-bound: W ≤ 8 rows).
 expand_nodes_compiled = fuse_on_cuda(expand_nodes)
-node_queries_compiled = fuse_on_cuda(node_queries)
 place_nodes_compiled = fuse_on_cuda(reference.place_nodes_reference)
-# "torch": the compiled functions above; "triton": the round kernels around the compiled Weaver step;
-# "triton_fused": the Weaver step as Triton kernels too (a round is ~8 launches).
-EXPANSIONS = {"torch": expand_nodes_compiled, "triton": expand_nodes_with_kernels,
-              "triton_fused": functools.partial(expand_nodes_with_kernels, fused_step=True)}
+# How a round runs: "torch", the compiled functions above (the twins); "triton_fused", the Triton kernels (a
+# round is ~8 launches). On CUDA the kernels: they built a budget-64 tree in 1.27–1.63 ms where the torch rounds
+# took 2.39–3.15 (and the round kernels around the compiled torch step, since removed, 1.51–1.82; four H200 runs,
+# docs/data/spec_step_h200s1*.json).
+EXPANSIONS = {"torch": expand_nodes_compiled, "triton_fused": expand_nodes_with_kernels}
 ROUND_IMPLEMENTATIONS = tuple(EXPANSIONS)
-round_kernel_choice = MeasuredChoice(default="torch")
 
 
 @torch.no_grad()
@@ -119,9 +112,9 @@ def build_weaver_tree(
     :meth:`Weaver.encode_prefix`). ``pool_size`` defaults to the checkpoint's ``candidate_pool_size`` and is
     clamped to V. Returns tokens, parents, depths ``[budget + 1]`` long (node 0 = root, parent −1; parents
     before children; distinct sibling tokens; depth ≤ K). The chain fallback for budget + 1 ≤ block size is
-    the caller's. ``implementation`` (one of ROUND_IMPLEMENTATIONS; all grow the same tree up to rounding, equal
-    in the fp32 tests): "torch" runs each round as compiled torch ops, "triton" its bookkeeping as the kernels
-    of ``kernels.tree_growth``, "triton_fused" the Weaver step too (``weaver_step``); None (default) = the fastest, timed once per shape on CUDA (``round_kernel_choice``; "torch" elsewhere).
+    the caller's. ``implementation`` (one of ROUND_IMPLEMENTATIONS; both grow the same tree up to rounding, equal
+    in the fp32 tests): "torch" runs each round as compiled torch ops, "triton_fused" as the kernels of
+    ``kernels.tree_growth``; None (default): "triton_fused" on CUDA, "torch" elsewhere (see `EXPANSIONS`).
     """
     K, V = logits.shape
     if K != weaver.config.K or h_dflash.shape[0] != K:
@@ -133,13 +126,7 @@ def build_weaver_tree(
     width = round_width(budget, c)
     check_fillable(budget, width, c, K)
     if implementation is None:
-        def build(name: str):
-            args = (weaver, root_token, logits, h_dflash, h_target, budget, pool, c, name)
-            return lambda: build_weaver_tree(*args)
-
-        key = (budget, pool, c, tuple(logits.shape), weaver.config.d_rank, weaver.w_res.dtype, str(device))
-        implementation = round_kernel_choice.pick(key, lambda: {name: build(name) for name in ROUND_IMPLEMENTATIONS},
-                                                  can_time=logits.is_cuda)
+        implementation = "triton_fused" if logits.is_cuda else "torch"
     if implementation not in ROUND_IMPLEMENTATIONS:
         raise ValueError(f"implementation must be one of {ROUND_IMPLEMENTATIONS}, got {implementation!r}")
 
