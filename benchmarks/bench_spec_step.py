@@ -30,7 +30,6 @@ from dflash_tfm.config import ModelConfig
 from dflash_tfm.engine.decoder_factory import build_proposer
 from dflash_tfm.engine.model_runner import ModelRunner
 from dflash_tfm.engine.speculative import SpeculativeDecoder
-from dflash_tfm.kernels.gdn.tree_commit import fold_choice
 from dflash_tfm.kernels.tree_growth.weaver_step import rows_matmul_choice
 from dflash_tfm.layers.attention import verify_attention_choice
 from dflash_tfm.layers.gated_deltanet import gdn_verify_path_choice
@@ -149,7 +148,7 @@ def main() -> None:
         print(f"| {name} | " + " | ".join(f"{r.get(p + '_alone', float('nan')):.2f}" for p in ("draft", "tree", "verify"))
               + " |")
     report_choices(results, projections=projection_choice, fused_step_row_matmul=rows_matmul_choice,
-                   gdn_fold=fold_choice, verify_attention=verify_attention_choice,
+                   verify_attention=verify_attention_choice,
                    gdn_verify_path=gdn_verify_path_choice)
     if args.out:
         with open(args.out, "w") as f:

@@ -24,7 +24,7 @@ from dflash_tfm.spec.tree import TREE_SHAPES, ancestor_bitsets, random_parents
 from dflash_tfm.kernels.gdn import tree_commit
 from dflash_tfm.kernels.gdn.tree_verify import TF32_SOLVE_MIN_NODES
 
-from .test_tree_common import Always, accepted_mask, rel_err, triton_device  # noqa: F401  (fixture)
+from .test_tree_common import accepted_mask, rel_err, triton_device  # noqa: F401  (fixture)
 
 TOL = 1e-4
 
@@ -331,17 +331,15 @@ def test_fold_kernel_compiles_for_hopper() -> None:
     f32 = "*fp32"
     signature = dict(k="*bf16", u=f32, G=f32, accepted="*u8", S0=f32, out=f32, N="i32", HK="i32", R="i32",
                      PATHS="i32", sk_b="i32", sk_n="i32", sk_h="i32", ss_b="i32", ss_h="i32", ss_k="i32")
-    for BV, warps in tree_commit.FOLD_TILES.values():
-        constants = dict(DK=128, DV=128, BK=128, BV=BV, BP=16, NPOW=128)
-        source = ASTSource(fn=_gdn_tree_fold_kernel, signature=signature | dict.fromkeys(constants, "constexpr"),
-                           constexprs=constants)
-        assert triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps}).asm["cubin"]
+    constants = dict(DK=128, DV=128, BK=128, BV=tree_commit.FOLD_BLOCK_V, BP=16, NPOW=128)
+    source = ASTSource(fn=_gdn_tree_fold_kernel, signature=signature | dict.fromkeys(constants, "constexpr"),
+                       constexprs=constants)
+    options = {"num_warps": tree_commit.FOLD_WARPS}
+    assert triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm["cubin"]
 
 
-@pytest.mark.parametrize("tile", list(tree_commit.FOLD_TILES))
-def test_triton_every_fold_tile_matches_twin(tile: str, triton_device: str, monkeypatch) -> None:
-    """Each timed launch shape of the fold (forced), dv = 48 (partial blocks) and a path longer than one gather."""
-    monkeypatch.setattr(tree_commit.fold_choice, "choices", Always(tile))
+def test_triton_fold_matches_twin_over_partial_blocks(triton_device: str) -> None:
+    """dv = 48 (a partial dv block) and a path longer than one gather."""
     x = make_inputs(2, 40, 1, 3, 16, 48, seed=31, device=triton_device)
     parents = torch.stack([random_parents(40, "chain", seed=1), random_parents(40, "random", seed=2)])
     _, ctx = gdn_tree_verify(**x, parents=parents.to(triton_device))
@@ -350,9 +348,7 @@ def test_triton_every_fold_tile_matches_twin(tile: str, triton_device: str, monk
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tile", list(tree_commit.FOLD_TILES))
-def test_gpu_every_fold_tile_matches_twin_27b_shapes(tile: str, monkeypatch) -> None:
-    monkeypatch.setattr(tree_commit.fold_choice, "choices", Always(tile))
+def test_gpu_fold_matches_twin_27b_shapes() -> None:
     x, parents = gpu_case(65)
     _, ctx = gdn_tree_verify(**x, parents=parents)
     acc = accepted_mask(parents.cpu(), [64]).cuda()
