@@ -32,7 +32,6 @@ from dflash_tfm.engine.model_runner import ModelRunner
 from dflash_tfm.engine.speculative import SpeculativeDecoder
 from dflash_tfm.kernels.tree_growth.weaver_step import rows_matmul_choice
 from dflash_tfm.layers.attention import verify_attention_choice
-from dflash_tfm.layers.gated_deltanet import gdn_verify_path_choice
 from dflash_tfm.layers.linear import projection_choice, skinny_projections
 from dflash_tfm.loading.loader import build_model
 from dflash_tfm.models.presets import QWEN3_6_27B
@@ -148,8 +147,7 @@ def main() -> None:
         print(f"| {name} | " + " | ".join(f"{r.get(p + '_alone', float('nan')):.2f}" for p in ("draft", "tree", "verify"))
               + " |")
     report_choices(results, projections=projection_choice, fused_step_row_matmul=rows_matmul_choice,
-                   verify_attention=verify_attention_choice,
-                   gdn_verify_path=gdn_verify_path_choice)
+                   verify_attention=verify_attention_choice)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=2)

@@ -18,7 +18,6 @@ from benchmarks.timing import capture, report_choices, time_ms
 from dflash_tfm.config import ModelConfig
 from dflash_tfm.engine.model_runner import ModelRunner
 from dflash_tfm.layers.attention import verify_attention_choice
-from dflash_tfm.layers.gated_deltanet import gdn_verify_path_choice
 from dflash_tfm.layers.linear import projection_choice, skinny_projections
 from dflash_tfm.loading.loader import build_model
 from dflash_tfm.models.presets import QWEN3_6_27B
@@ -97,7 +96,7 @@ def main() -> None:
     for n, r in results["verify"].items():
         print(f"| {n} | {r['verify_ms']:.2f} | {r['verify_ms'] / results['ar_step_ms']:.2f}x | {r['commit_ms']:.3f} |")
     report_choices(results, projections=projection_choice,
-                   verify_attention=verify_attention_choice, gdn_verify_path=gdn_verify_path_choice)
+                   verify_attention=verify_attention_choice)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=2)

@@ -7,7 +7,7 @@ import torch
 
 from dflash_tfm.config import ModelConfig
 from dflash_tfm.engine.model_runner import ModelRunner
-from dflash_tfm.layers import attention, gated_deltanet
+from dflash_tfm.layers import attention
 from dflash_tfm.loading.loader import build_model
 from dflash_tfm.models.random_init import init_random_
 from dflash_tfm.spec.tree import TreeSpec, random_parents
@@ -62,14 +62,10 @@ def test_graph_decode_matches_full_prefill(target) -> None:
         assert rel_err(logits[0], ref[t]) <= TOLERANCE[dtype], f"position {t}"
 
 
-@pytest.mark.parametrize("paths", [("unfused", "tree_kernel"), ("fused", "tree_kernel s1"),
-                                   ("front", "tree_kernel s4 ts"), ("front serial", "tree_kernel s8")],
-                         ids=["unfused", "fused-s1", "front-tree-split", "front-serial-s8"])
-def test_triton_verify_and_commit_match_plain_decoding(target, paths, monkeypatch) -> None:
-    """The GDN verify paths (inputs unfused, fused, or with the Gram tiles in one launch, then the split or the
-    serial solver) and split modes of the tree attention (forced)."""
-    monkeypatch.setattr(gated_deltanet.gdn_verify_path_choice, "choices", Always(paths[0]))
-    monkeypatch.setattr(attention.verify_attention_choice, "choices", Always(paths[1]))
+@pytest.mark.parametrize("tile", ["tree_kernel", "tree_kernel s1", "tree_kernel s8"])
+def test_triton_verify_and_commit_match_plain_decoding(target, tile, monkeypatch) -> None:
+    """The verify with split modes of the tree attention (forced)."""
+    monkeypatch.setattr(attention.verify_attention_choice, "choices", Always(tile))
     check_verify_and_commit(target)
 
 
