@@ -22,7 +22,7 @@ import torch
 from benchmarks.bench_ar_decode import copy_bandwidth
 from benchmarks.kernel_profile import print_kernel_table
 from benchmarks.timing import report_choices, time_ms
-from dflash_tfm.layers.linear import projection_choice, skinny_projections
+from dflash_tfm.layers.linear import skinny_projections
 from dflash_tfm.models.presets import QWEN3_6_27B
 from dflash_tfm.models.random_init import init_random_
 from dflash_tfm.spec.dflash import DFlashDrafter
@@ -111,8 +111,7 @@ def main() -> None:
             print_kernel_table(lambda: drafter.append_context(commit, ctx - 16), "append 16 context tokens")
     print(f"\n{torch.cuda.get_device_name()}; copy bandwidth {bw / 1e12:.2f} TB/s; drafter weights "
           f"{weight_bytes / 1e9:.2f} GB + lm_head {head_bytes / 1e9:.2f} GB")
-    choices: dict = {}
-    report_choices(choices, projections=projection_choice)
+    report_choices({})
     print("| context | kv_len | draft eager ms | draft graph ms | floor ms | % of floor (graph) | append 16 ms |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:

@@ -30,9 +30,7 @@ from dflash_tfm.config import ModelConfig
 from dflash_tfm.engine.decoder_factory import build_proposer
 from dflash_tfm.engine.model_runner import ModelRunner
 from dflash_tfm.engine.speculative import SpeculativeDecoder
-from dflash_tfm.kernels.tree_growth.weaver_step import rows_matmul_choice
-from dflash_tfm.layers.attention import verify_attention_choice
-from dflash_tfm.layers.linear import projection_choice, skinny_projections
+from dflash_tfm.layers.linear import skinny_projections
 from dflash_tfm.loading.loader import build_model
 from dflash_tfm.models.presets import QWEN3_6_27B
 from dflash_tfm.models.random_init import init_random_
@@ -146,8 +144,7 @@ def main() -> None:
     for name, r in results["modes"].items():
         print(f"| {name} | " + " | ".join(f"{r.get(p + '_alone', float('nan')):.2f}" for p in ("draft", "tree", "verify"))
               + " |")
-    report_choices(results, projections=projection_choice, fused_step_row_matmul=rows_matmul_choice,
-                   verify_attention=verify_attention_choice)
+    report_choices(results)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=2)

@@ -24,7 +24,6 @@ import torch
 from benchmarks.kernel_profile import print_kernel_table
 from benchmarks.timing import capture, report_choices, time_ms
 from dflash_tfm.config import ModelConfig
-from dflash_tfm.kernels.tree_growth.weaver_step import rows_matmul_choice
 from dflash_tfm.spec.chain import build_chain
 from dflash_tfm.spec.ddtree import build_ddtree
 from dflash_tfm.spec.weaver import load_weaver
@@ -86,7 +85,7 @@ def main() -> None:
         width = round_width(budget, children) if children else 0
         rounds = f"{-(-budget // width)} × {width}" if children else "—"
         print(f"| {name} | {budget} | {children or '—'} | {rounds} | {eager:.3f} | {replay} |")
-    report_choices({}, fused_step_row_matmul=rows_matmul_choice)  # the tiles the triton_fused builds timed
+    report_choices({})  # the row tiles the triton_fused builds took
     if args.profile:
         budget = max(args.budgets)
         print()

@@ -17,8 +17,7 @@ import torch
 from benchmarks.timing import capture, report_choices, time_ms
 from dflash_tfm.config import ModelConfig
 from dflash_tfm.engine.model_runner import ModelRunner
-from dflash_tfm.layers.attention import verify_attention_choice
-from dflash_tfm.layers.linear import projection_choice, skinny_projections
+from dflash_tfm.layers.linear import skinny_projections
 from dflash_tfm.loading.loader import build_model
 from dflash_tfm.models.presets import QWEN3_6_27B
 from dflash_tfm.models.random_init import init_random_
@@ -95,8 +94,7 @@ def main() -> None:
     print("|---|---|---|---|")
     for n, r in results["verify"].items():
         print(f"| {n} | {r['verify_ms']:.2f} | {r['verify_ms'] / results['ar_step_ms']:.2f}x | {r['commit_ms']:.3f} |")
-    report_choices(results, projections=projection_choice,
-                   verify_attention=verify_attention_choice)
+    report_choices(results)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=2)

@@ -4,12 +4,14 @@
 #   device run:  bash scripts/gpu_check.sh            (carry: .whl with the fla-core and gguf wheels)
 # Set GPU_CHECK_PARTS to a subset of "tests kernels tree ar verify draft spec projections profile
 # profile_verify train" to run only those parts, GPU_TESTS to test paths, VERIFY_NS to the verify step's tree
-# sizes. All parts
-# take longer than one 10-minute device call: e.g. "tests" in one call, "ar verify spec profile" in the next
-# (the first call of each process also times the measured kernel choices).
+# sizes. All parts take longer than one 10-minute device call: e.g. "tests" in one call, "ar verify spec
+# profile" in the next.
+# The tuned kernel choices (dflash_tfm/tuning.py) are timed at first use and kept in $OUT/cache/tuning, so they
+# come back with the logs; carry that folder in (DFLASH_TFM_CACHE) to reuse an earlier call's choices.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}; mkdir -p "$OUT"
+export DFLASH_TFM_CACHE=${DFLASH_TFM_CACHE:-$OUT/cache}
 PARTS=" ${GPU_CHECK_PARTS:-tests kernels tree ar verify draft spec projections profile train} "
 export PYTHONUNBUFFERED=1
 if ls .whl/*.whl >/dev/null 2>&1; then

@@ -89,14 +89,16 @@ class Table:
     def get(self, operator: str, key: str) -> dict | None:
         return self.choices.get(operator, {}).get(key)
 
-    def record(self, operator: str, key: str, entry: dict) -> str:
+    def record(self, operator: str, key: str, entry: dict, candidates: tuple[str, ...]) -> str:
         """Keep ``entry`` for (operator, key) here and in the file; returns the choice that stands (another
-        process's, if it wrote the key first). A fresh table (`retuning`) is only written by `save`."""
+        process's, if it wrote the key first with one of ``candidates``). A fresh table (`retuning`) is only
+        written by `save`."""
         if not self.fresh:
             try:
                 with _locked(self.path):
                     on_disk = _read(self.path, self.device_name)
-                    entry = on_disk.get(operator, {}).get(key, entry)
+                    found = on_disk.get(operator, {}).get(key)
+                    entry = found if found is not None and found.get("chosen") in candidates else entry
                     on_disk.setdefault(operator, {})[key] = entry
                     _write(self.path, self.device_name, on_disk)
                     for op, entries in on_disk.items():  # what other processes recorded meanwhile
@@ -150,7 +152,7 @@ class TunedChoice:
         if torch.cuda.is_current_stream_capturing():
             return self.default
         entry = self._time(candidates())
-        chosen = table.record(self.operator, text, entry)
+        chosen = table.record(self.operator, text, entry, self.candidates)
         log.info("%s on %s, %s: %s", self.operator, table.device_name, text, describe_entry(entry, self.default))
         return chosen
 

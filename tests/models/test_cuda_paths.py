@@ -12,7 +12,6 @@ from dflash_tfm.loading.loader import build_model
 from dflash_tfm.models.random_init import init_random_
 from dflash_tfm.spec.tree import TreeSpec, random_parents
 
-from ..kernels.test_tree_common import Always
 
 pytestmark = pytest.mark.gpu
 
@@ -62,11 +61,11 @@ def test_graph_decode_matches_full_prefill(target) -> None:
         assert rel_err(logits[0], ref[t]) <= TOLERANCE[dtype], f"position {t}"
 
 
-@pytest.mark.parametrize("tile", ["tree_kernel", "tree_kernel s1", "tree_kernel s8"])
-def test_triton_verify_and_commit_match_plain_decoding(target, tile, monkeypatch) -> None:
-    """The verify with split modes of the tree attention (forced)."""
-    monkeypatch.setattr(attention.verify_attention_choice, "choices", Always(tile))
-    check_verify_and_commit(target)
+@pytest.mark.parametrize("tile", attention.VERIFY_ATTENTION.candidates)
+def test_triton_verify_and_commit_match_plain_decoding(target, tile) -> None:
+    """The verify with each tile the tree attention's tuned choice may take (forced)."""
+    with attention.VERIFY_ATTENTION.forced(tile):
+        check_verify_and_commit(target)
 
 
 def check_verify_and_commit(target) -> None:

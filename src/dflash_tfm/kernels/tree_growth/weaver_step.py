@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from dflash_tfm.kernels import use_triton
-from dflash_tfm.layers.measured_choice import MeasuredChoice
+from dflash_tfm.tuning import TunedChoice
 
 if TYPE_CHECKING:
     from dflash_tfm.spec.weaver import Weaver, WeaverCache, WeaverNorm
@@ -229,16 +229,16 @@ def _block_n(n: int) -> int:
     return 16 if n <= 2048 else 32  # enough programs to keep the weight stream in flight
 
 
-# Tiles (BN, BK, warps, stages, K slices) of `_rows_matmul_kernel`, timed per shape (`rows_matmul_choice`).
-# Session 10's H200 profile: the default tiles streamed the Weaver's 59 MB per round at ~0.8 TB/s (1.17 ms of a
-# budget-128 tree's 2.02 ms), cuBLAS the same projections at ~1.5 TB/s: wider K steps and more stages keep more
-# weight bytes in flight per program. Session 13's profile: the best of those still ran at ~1.4 TB/s (0.66 ms
-# of a budget-64 tree's 1.52 ms) with one program per N tile, hence the tiles that split K over 2–8 programs.
-ROW_TILES = {"default": None, "n16 k256 s4": (16, 256, 4, 4, 1), "n32 k256 s4": (32, 256, 4, 4, 1),
-             "n64 k256 w8": (64, 256, 8, 3, 1), "n16 k512 s3": (16, 512, 4, 3, 1), "n32 k512 w8": (32, 512, 8, 2, 1),
-             "n16 k128 s4 x4": (16, 128, 4, 4, 4), "n16 k256 s3 x2": (16, 256, 4, 3, 2),
-             "n32 k128 s4 x4": (32, 128, 4, 4, 4), "n32 k64 s4 x8": (32, 64, 4, 4, 8)}
-rows_matmul_choice = MeasuredChoice(default="default")
+# Tiles (BN, BK, warps, stages, K slices) of `_rows_matmul_kernel`, a tuned choice per projection shape
+# (`dflash_tfm.tuning`). The default tiles (one program per 16 or 32 columns, BK 128) streamed the Weaver's 59 MB
+# per round at ~0.8 TB/s on the H200 (session 10), cuBLAS the same projections at ~1.5 TB/s: wider K steps, more
+# stages, and K split over several programs keep more weight bytes in flight. Of the ten tiles timed, each
+# projection took one of these three in every recorded run (docs/data/spec_step_h200s1*.json): the normed qkv
+# "n32 k256 s4" (12.8–14.3 µs), o_proj and down "n32 k128 s4 x4" (4.5–5.2 µs), the normed SwiGLU gate_up
+# "n32 k64 s4 x8" (9.8–10.9 µs).
+ROW_TILES = {"default": None, "n32 k256 s4": (32, 256, 4, 4, 1), "n32 k128 s4 x4": (32, 128, 4, 4, 4),
+             "n32 k64 s4 x8": (32, 64, 4, 4, 8)}
+ROWS_MATMUL = TunedChoice("weaver_rows_matmul", default="default", candidates=tuple(ROW_TILES))
 _arrivals: dict[torch.device, torch.Tensor] = {}  # per device: the split tiles' counters, zero between launches
 MAX_TILES = 4096
 
@@ -292,9 +292,7 @@ def _rows_matmul(
         _arrival_counters(y.device)  # now: the choice below times its candidates inside CUDA graphs
     # Every launch writes fresh outputs from unchanged inputs (x_out gets the same rows), so timing may repeat it.
     key = (M, N, K, weight.dtype, *flags.values())
-    tile = rows_matmul_choice.pick(key, lambda: {t: (lambda t=t: launch(t)) for t in ROW_TILES},
-                                   can_time=weight.is_cuda)
-    launch(tile)
+    launch(ROWS_MATMUL.pick(key, lambda: {t: (lambda t=t: launch(t)) for t in ROW_TILES}, weight.device))
 
 
 def weaver_step_rows(weaver: Weaver, cache: WeaverCache, nodes: torch.Tensor, tokens: torch.Tensor,
