@@ -37,7 +37,7 @@ from dflash_tfm.kernels import gdn_tree_commit, gdn_tree_verify, tree_attention,
 from dflash_tfm.kernels.gdn.tree_inputs import gdn_tree_inputs
 from dflash_tfm.kernels.gdn.tree_reference import gdn_tree_verify_reference
 from dflash_tfm.kernels.gdn.tree_verify import ChunkSolve
-from dflash_tfm.spec.tree import ancestor_bitsets, nearest_ancestors, random_parents
+from dflash_tfm.tree import ancestor_bitsets, nearest_ancestors, random_parents
 
 HK, HV, DK, DV = 16, 48, 128, 128            # GDN layer
 H, HKV, HEAD_DIM, CACHE = 24, 4, 256, 4096   # gated attention layer

@@ -254,7 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """``dflash-tfm demo``. Input and checkpoint errors print one line and return 2."""
     from dflash_tfm import Engine
-    from dflash_tfm.loading.errors import CheckpointError
+    from dflash_tfm.errors import CheckpointError
 
     args = build_parser().parse_args(argv)
     console = Console()

@@ -22,7 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
     from dflash_tfm.cli import engine_from_args
-    from dflash_tfm.loading.errors import CheckpointError
+    from dflash_tfm.errors import CheckpointError
     from dflash_tfm.server.app import create_app
 
     try:

@@ -124,7 +124,7 @@ def test_gpu_verify_with_skinny_projections_matches_cublas_and_captures() -> Non
     from dflash_tfm.engine.model_runner import ModelRunner
     from dflash_tfm.loading.loader import build_model
     from dflash_tfm.models.random_init import init_random_
-    from dflash_tfm.spec.tree import TreeSpec, random_parents
+    from dflash_tfm.tree import TreeSpec, random_parents
 
     cfg = ModelConfig.from_dict(dict(model_type="llama", vocab_size=4096, hidden_size=2048, intermediate_size=4096,
                                      num_hidden_layers=2, num_attention_heads=16, num_key_value_heads=4, head_dim=128,

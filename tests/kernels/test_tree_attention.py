@@ -10,7 +10,7 @@ import torch
 
 from dflash_tfm.kernels import TRITON_INTERPRETED, compact_accepted_kv, tree_attention
 from dflash_tfm.kernels.attention.reference import tree_attention_reference
-from dflash_tfm.spec.tree import TREE_SHAPES, ancestor_bitsets, random_parents
+from dflash_tfm.tree import TREE_SHAPES, ancestor_bitsets, random_parents
 
 from .test_tree_common import rel_err, root_path, triton_device  # noqa: F401  (fixture)
 

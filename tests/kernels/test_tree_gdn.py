@@ -19,7 +19,7 @@ from dflash_tfm.kernels.gdn.tree_reference import (
     gdn_tree_commit_reference,
     gdn_tree_verify_reference,
 )
-from dflash_tfm.spec.tree import TREE_SHAPES, ancestor_bitsets, random_parents
+from dflash_tfm.tree import TREE_SHAPES, ancestor_bitsets, random_parents
 
 from dflash_tfm.kernels.gdn import tree_commit
 from dflash_tfm.kernels.gdn.tree_verify import TF32_SOLVE_MIN_NODES, ChunkSolve

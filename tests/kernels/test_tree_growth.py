@@ -8,7 +8,6 @@ import torch
 from dflash_tfm.kernels.tree_growth import reference, weaver_round
 from dflash_tfm.spec.weaver import load_weaver
 from dflash_tfm.spec.weaver_fixtures import write_random_weaver_checkpoint
-from dflash_tfm.kernels.tree_growth.weaver_step import weaver_step_rows
 from dflash_tfm.spec import weaver_tree
 from dflash_tfm.spec.weaver_tree import build_weaver_tree
 
@@ -101,9 +100,10 @@ def test_triton_weaver_tree_with_kernels_equals_torch_builder(budget: int, trito
 
     def counted(weaver, cache, nodes, *args):
         fused_widths.append(nodes.shape[0])
-        return weaver_step_rows(weaver, cache, nodes, *args)
+        return fused(weaver, cache, nodes, *args)
 
-    monkeypatch.setattr(weaver_tree.weaver_step, "weaver_step_rows", counted)
+    fused = weaver_tree.fused_step_rows
+    monkeypatch.setattr(weaver_tree, "fused_step_rows", counted)
     model, cfg = tiny_target()
     path = tmp_path / "w.pth"
     write_random_weaver_checkpoint(path, cfg, variant=1, seed=4)

@@ -1,16 +1,18 @@
-"""The fused Weaver step (``kernels.tree_growth.weaver_step``) against its twin, the torch ``Weaver.step``: the
-rows it returns (through ``out_norm``) and the K/V it writes, for both Weaver architectures (SwiGLU + RoPE,
-GELU + learned positions), one and two blocks, nodes whose ancestors were written by earlier calls (Triton's
-interpreter on the CPU, compiled on a GPU; the published shapes in bf16 on the GPU)."""
+"""The fused Weaver step (``spec.weaver_tree.fused_step_rows``: the kernels of ``kernels.tree_growth.weaver_step``)
+against its twin, the torch ``Weaver.step``: the rows it returns (through ``out_norm``) and the K/V it writes, for
+both Weaver architectures (SwiGLU + RoPE, GELU + learned positions), one and two blocks, nodes whose ancestors were
+written by earlier calls (Triton's interpreter on the CPU, compiled on a GPU; the published shapes in bf16 on the
+GPU)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from dflash_tfm.kernels import TRITON_INTERPRETED
+from dflash_tfm.kernels import TRITON_INTERPRETED, use_triton
 from dflash_tfm.kernels.tree_growth import reference, weaver_round, weaver_step
 from dflash_tfm.spec.weaver import NORM_EPS, load_weaver
 from dflash_tfm.spec.weaver_fixtures import write_random_weaver_checkpoint
+from dflash_tfm.spec.weaver_tree import fused_step_rows
 
 from ..spec.test_weaver import BLOCK, HIDDEN, K, tiny_target
 from .test_tree_common import rel_err, triton_device  # noqa: F401  (fixture)
@@ -60,7 +62,7 @@ def test_triton_weaver_step_matches_torch_step(variant: int, layers: int, triton
     assert int(depths.max()) > K  # the clamped positions are exercised
     want_cache, got_cache = clone(cache), clone(cache)
     want = weaver.step(want_cache, nodes, tokens[nodes], depths[nodes], ancestors[nodes])
-    rows = weaver_step.weaver_step_rows(weaver, got_cache, nodes, tokens, depths, ancestors)
+    rows = fused_step_rows(weaver, got_cache, nodes, tokens, depths, ancestors)
     assert rel_err(weaver.out_norm(rows), want) <= 1e-5
     assert rel_err(got_cache.k, want_cache.k) <= 1e-5 and rel_err(got_cache.v, want_cache.v) <= 1e-5
     # The output norm fused into the pool re-scoring equals re-scoring the torch step's queries.
@@ -79,10 +81,10 @@ def test_weaver_step_rejects_too_many_nodes(tmp_path) -> None:
     weaver = load_weaver(path, model, cfg, BLOCK, "cpu", torch.float32)
     n = weaver_step.MAX_ROWS + 1
     cache = weaver.encode_prefix(torch.zeros(HIDDEN), torch.zeros(K, HIDDEN), n)
-    if weaver_step.use_triton(cache.k):  # (on the CPU without the interpreter the twin runs, any width)
+    if use_triton(cache.k):  # (on the CPU without the interpreter the twin runs, any width)
         with pytest.raises(ValueError, match="nodes"):
-            weaver_step.weaver_step_rows(weaver, cache, torch.arange(n), torch.zeros(n, dtype=torch.long),
-                                         torch.zeros(n, dtype=torch.long), torch.eye(n, dtype=torch.bool))
+            fused_step_rows(weaver, cache, torch.arange(n), torch.zeros(n, dtype=torch.long),
+                            torch.zeros(n, dtype=torch.long), torch.eye(n, dtype=torch.bool))
 
 
 @pytest.mark.gpu
@@ -98,7 +100,7 @@ def test_weaver_step_matches_torch_step_at_published_shapes(tile: str, tmp_path)
     want_cache, got_cache = clone(cache), clone(cache)
     want = weaver.step(want_cache, nodes, tokens[nodes], depths[nodes], ancestors[nodes])
     with weaver_step.ROWS_MATMUL.forced(tile):
-        runs = [weaver_step.weaver_step_rows(weaver, got_cache, nodes, tokens, depths, ancestors) for _ in range(3)]
+        runs = [fused_step_rows(weaver, got_cache, nodes, tokens, depths, ancestors) for _ in range(3)]
     assert rel_err(weaver.out_norm(runs[0]).float(), want.float()) <= 2e-2
     assert rel_err(got_cache.k.float(), want_cache.k.float()) <= 2e-2
     assert all(torch.equal(run, runs[0]) for run in runs[1:])
@@ -162,5 +164,5 @@ def test_triton_weaver_step_every_tuned_tile_matches_torch_step(tile: str, trito
     want_cache, got_cache = clone(cache), clone(cache)
     want = weaver.step(want_cache, nodes, tokens[nodes], depths[nodes], ancestors[nodes])
     with weaver_step.ROWS_MATMUL.forced(tile):
-        rows = weaver_step.weaver_step_rows(weaver, got_cache, nodes, tokens, depths, ancestors)
+        rows = fused_step_rows(weaver, got_cache, nodes, tokens, depths, ancestors)
     assert rel_err(weaver.out_norm(rows), want) <= 1e-5

@@ -10,7 +10,7 @@ from dflash_tfm.engine.model_runner import ModelRunner
 from dflash_tfm.layers import attention
 from dflash_tfm.loading.loader import build_model
 from dflash_tfm.models.random_init import init_random_
-from dflash_tfm.spec.tree import TreeSpec, random_parents
+from dflash_tfm.tree import TreeSpec, random_parents
 
 
 pytestmark = pytest.mark.gpu

@@ -11,7 +11,7 @@ import torch
 from dflash_tfm.config import ModelConfig
 from dflash_tfm.engine.model_runner import ModelRunner
 from dflash_tfm.loading.loader import build_model, load_weights, open_checkpoint
-from dflash_tfm.spec.tree import TreeSpec, random_parents
+from dflash_tfm.tree import TreeSpec, random_parents
 
 from .tiny_targets import VOCAB, save_hf_model
 

@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 from dflash_tfm.config import ModelConfig
 from dflash_tfm.spec import dflash as dflash_module
 from dflash_tfm.engine.model_runner import ModelRunner
-from dflash_tfm.loading.errors import CheckpointError
+from dflash_tfm.errors import CheckpointError
 from dflash_tfm.loading.loader import build_model
 from dflash_tfm.models.random_init import init_random_
 from dflash_tfm.spec.dflash import DFlashDrafter, load_dflash_drafter

@@ -21,7 +21,7 @@ from typing import Generic, TypeVar
 
 import torch
 
-from dflash_tfm.engine.cache import ModelCache
+from dflash_tfm.models.cache import ModelCache
 from dflash_tfm.engine.model_runner import key_length_bucket
 from dflash_tfm.engine.phase_graphs import PhaseGraphs
 from dflash_tfm.engine.sampler import make_generator, sample

@@ -11,7 +11,7 @@ from typing import Callable
 
 import torch
 
-from dflash_tfm.engine.cache import ModelCache
+from dflash_tfm.models.cache import ModelCache
 from dflash_tfm.layers.linear import skinny_projections
 from dflash_tfm.models.decoder import CausalLM
 

@@ -26,7 +26,7 @@ from dflash_tfm.engine.sampler import sample
 from dflash_tfm.layers.linear import skinny_projections
 from dflash_tfm.sampling_params import SamplingParams
 from dflash_tfm.spec.accept import accept_tree, expected_accepted, target_draws
-from dflash_tfm.spec.tree import TreeSpec
+from dflash_tfm.tree import TreeSpec
 
 TreeBuilder = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 

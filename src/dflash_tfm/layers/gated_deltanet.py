@@ -4,18 +4,18 @@ The four input projections are fused into one `in_proj` matrix laid out [q | k |
 job), so the decode step does one GEMV. The recurrence per value head j (key head j // (HV/HK)):
 S <- e^g S;  u = beta (v - S^T k);  S <- S + k u^T;  o = S^T q  (q, k L2-normalised, q scaled dk^-0.5).
 Everything between the GEMVs and the recurrence (split, short conv, SiLU, l2norm, beta, g) is one
-pure function, `gdn_inputs`, fused by inductor on CUDA.
+pure function, `kernels.gdn.reference.gdn_inputs`, fused by inductor on CUDA.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from dflash_tfm.config import ModelConfig
 from dflash_tfm.kernels.conv.tree_conv import tree_conv_commit
+from dflash_tfm.kernels.gdn import reference
 from dflash_tfm.kernels.gdn.fused_decode import gdn_fused_decode
 from dflash_tfm.kernels.gdn.prefill import gdn_prefill
 from dflash_tfm.kernels.gdn.tree_commit import gdn_tree_commit
@@ -25,49 +25,10 @@ from dflash_tfm.kernels.gdn.tree_verify import gdn_tree_verify
 from dflash_tfm.layers.compile import fuse_on_cuda
 from dflash_tfm.layers.linear import linear
 from dflash_tfm.layers.norm import gated_rms_norm
-from dflash_tfm.layers.short_conv import causal_conv1d
-from dflash_tfm.spec.tree import TreeSpec
+from dflash_tfm.tree import TreeSpec
 
-
-def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """`x * rsqrt(sum x^2 + eps)` in fp32, the form transformers and fla use."""
-    xf = x.float()
-    return xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)
-
-
-def split_projection(
-    proj: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, conv_dim: int, hv: int, dv: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """in_proj output [B, T, *] -> (conv input [B, T, conv_dim], z [B, T, HV, dv], beta, g [B, T, HV] fp32)."""
-    B, T, _ = proj.shape
-    mixed, z, b, a = proj.split([conv_dim, hv * dv, hv, hv], dim=-1)
-    beta = torch.sigmoid(b).float()
-    g = -A_log.float().exp() * F.softplus(a.float() + dt_bias.float())
-    return mixed, z.reshape(B, T, hv, dv), beta, g
-
-
-def split_heads(conv_out: torch.Tensor, hk: int, dk: int, hv: int, dv: int) -> tuple[torch.Tensor, ...]:
-    """conv output [B, T, conv_dim] -> q, k [B, T, HK, dk] (L2-normalised) and v [B, T, HV, dv]."""
-    B, T, _ = conv_out.shape
-    q, k, v = conv_out.split([hk * dk, hk * dk, hv * dv], dim=-1)
-    dtype = conv_out.dtype
-    q = l2_normalize(q.reshape(B, T, hk, dk)).to(dtype)
-    k = l2_normalize(k.reshape(B, T, hk, dk)).to(dtype)
-    return q, k, v.reshape(B, T, hv, dv)
-
-
-
-
-@fuse_on_cuda
-def gdn_inputs(
-    proj: torch.Tensor, conv_weight: torch.Tensor, conv_window: torch.Tensor, A_log: torch.Tensor,
-    dt_bias: torch.Tensor, hk: int, dk: int, hv: int, dv: int,
-) -> tuple[torch.Tensor, ...]:
-    """in_proj output -> (q, k, v, z, beta, g, new conv window) for T tokens following `conv_window`."""
-    mixed, z, beta, g = split_projection(proj, A_log, dt_bias, 2 * hk * dk + hv * dv, hv, dv)
-    conv_out, new_window = causal_conv1d(mixed, conv_weight, conv_window)
-    q, k, v = split_heads(conv_out, hk, dk, hv, dv)
-    return q, k, v, z, beta, g, new_window
+# The decode and prefill inputs as one compiled function on CUDA.
+gdn_inputs = fuse_on_cuda(reference.gdn_inputs)
 
 
 @dataclass(frozen=True)

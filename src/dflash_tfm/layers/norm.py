@@ -1,32 +1,19 @@
-"""RMS norms in the exact numerics of the reference implementations (statistics in fp32)."""
+"""RMS norms in the exact numerics of the reference implementations (`kernels/norm/reference.py`), as modules and
+as compiled functions."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from dflash_tfm.kernels.norm import reference
 from dflash_tfm.kernels.norm.add_rms_norm import MAX_WIDTH, add_rms_norm_rows
 from dflash_tfm.layers.compile import fuse_on_cuda, small_enough_to_fuse
 
 
-@fuse_on_cuda
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, plus_one: bool) -> torch.Tensor:
-    """`plus_one`: Qwen3.5/Qwen3-Next zero-centred form `norm(x) * (1 + w)` in fp32; otherwise the
-    Llama/Qwen3 form `w * norm(x).to(dtype)`. Both keep the transformers rounding order."""
-    xf = x.float()
-    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    if plus_one:
-        return (normed * (1.0 + weight.float())).to(x.dtype)
-    return weight * normed.to(x.dtype)
-
-
-@fuse_on_cuda
-def add_rms_norm(
-    h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float, plus_one: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Residual add fused with the next norm: returns (h + delta, rms_norm(h + delta))."""
-    h = h + delta
-    return h, rms_norm.__wrapped__(h, weight, eps, plus_one)
+# Each one compiled function on CUDA (one or two kernels instead of a chain of element-wise ones).
+rms_norm = fuse_on_cuda(reference.rms_norm)
+add_rms_norm = fuse_on_cuda(reference.add_rms_norm)
+gated_rms_norm = fuse_on_cuda(reference.gated_rms_norm)
 
 
 class RMSNorm(nn.Module):
@@ -52,11 +39,3 @@ class RMSNorm(nn.Module):
             return add_rms_norm(h, delta, self.weight, self.eps, self.plus_one)
         return add_rms_norm_rows(h, delta, self.weight, self.eps, self.plus_one)
 
-
-@fuse_on_cuda
-def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Gated DeltaNet output norm: `w * rmsnorm(x) * silu(gate)` with plain w, norm before gate."""
-    dtype = gate.dtype
-    xf = x.float()
-    normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
-    return (weight * normed * F.silu(gate.float())).to(dtype)

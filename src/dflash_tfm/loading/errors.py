@@ -1,13 +1,5 @@
-"""Errors raised while locating and reading checkpoints.
+"""The checkpoint errors' old address, still imported by `dflash_tfm.cli`: they live in `dflash_tfm.errors` (the
+ground floor, so that `config` can raise them without importing `loading`)."""
+from dflash_tfm.errors import CheckpointError, CheckpointNotFoundError
 
-One exception family so callers (CLI, server) can turn any bad-checkpoint problem into a one-line
-message instead of a traceback from deep inside a parser.
-"""
-
-
-class CheckpointError(ValueError):
-    """A checkpoint exists but cannot be used: corrupt, truncated, or an unsupported layout."""
-
-
-class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
-    """A checkpoint file is missing; also a `FileNotFoundError` so generic handlers catch it."""
+__all__ = ["CheckpointError", "CheckpointNotFoundError"]

@@ -38,8 +38,8 @@ from dflash_tfm.layers.linear import linear
 from dflash_tfm.layers.mlp import SwiGLU
 from dflash_tfm.layers.norm import RMSNorm
 from dflash_tfm.layers.rotary import RotaryEmbedding
-from dflash_tfm.loading.errors import CheckpointError, CheckpointNotFoundError
-from dflash_tfm.loading.loader import _default_dtype
+from dflash_tfm.errors import CheckpointError, CheckpointNotFoundError
+from dflash_tfm.loading.loader import default_dtype
 from dflash_tfm.loading.safetensors_dir import SafetensorsDir
 from dflash_tfm.loading.weight_map import Piece, TensorSpec
 from dflash_tfm.spec.dflash_config import SLIDING_ATTENTION, DFlashConfig, load_dflash_config
@@ -210,7 +210,7 @@ class DFlashDrafter(nn.Module):
         # A plain tuple keeps the shared tensors out of this module's parameters and state_dict.
         self._shared = (embed, target.lm_head_weight)
         self.device, self.dtype = embed.device, embed.dtype
-        with torch.device(self.device), _default_dtype(self.dtype):
+        with torch.device(self.device), default_dtype(self.dtype):
             self.fc = nn.Parameter(torch.empty(cfg.hidden_size, cfg.num_taps * cfg.hidden_size))
             self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
             self.layers = nn.ModuleList(DFlashLayer(cfg, t) for t in cfg.layer_types)

@@ -35,7 +35,7 @@ from torch import nn
 from dflash_tfm.config import ModelConfig
 from dflash_tfm.kernels.tree_growth.reference import pool_logits_plus_residual, weaver_norm
 from dflash_tfm.layers.compile import fuse_on_cuda
-from dflash_tfm.loading.errors import CheckpointError, CheckpointNotFoundError
+from dflash_tfm.errors import CheckpointError, CheckpointNotFoundError
 
 ACTIVATIONS = ("swiglu", "gelu")
 ENCODER_MODES = {3: 3, "global_prompt": 3}  # only the "global prompt" encoder exists in released files

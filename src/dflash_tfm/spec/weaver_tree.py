@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from dflash_tfm.kernels import use_triton
 from dflash_tfm.kernels.tree_growth import reference, weaver_round, weaver_step
 from dflash_tfm.layers.compile import fuse_on_cuda
 from dflash_tfm.spec.weaver import NORM_EPS, Weaver, WeaverCache
@@ -75,14 +76,53 @@ def expand_nodes(
     reference.publish_children_reference(logits, pool_ids, depths, scores, frontier_score, frontier_token, nodes)
 
 
+def fused_step_rows(weaver: Weaver, cache: WeaverCache, nodes: torch.Tensor, tokens: torch.Tensor,
+                    depths: torch.Tensor, ancestors: torch.Tensor) -> torch.Tensor:
+    """``Weaver.step`` of node slots ``nodes`` [W] before its ``out_norm`` as five Triton launches per block
+    (``kernels.tree_growth.weaver_step``): x [W, d_rank], the nodes' K/V written into ``cache``. tokens, depths
+    [N] long and ancestors [N, N] bool are the tree's whole buffers (read at ``nodes`` on the device). No node of
+    ``nodes`` may be an ancestor of another (true of a round: see the kernels' module docstring). On a CPU without
+    Triton's interpreter: its twin, ``Weaver.step_rows``."""
+    if not use_triton(nodes):
+        return weaver.step_rows(cache, nodes, tokens[nodes], depths[nodes], ancestors[nodes])
+    cfg = weaver.config
+    W, d = nodes.shape[0], cfg.d_rank
+    if not 1 <= W <= weaver_step.MAX_ROWS:
+        raise ValueError(f"the fused Weaver step takes 1 … {weaver_step.MAX_ROWS} nodes, got {W}")
+    if cfg.head_dim & (cfg.head_dim - 1) or cfg.head_dim < 2:
+        raise ValueError(f"the fused Weaver attention needs a power-of-two head dim, got {cfg.head_dim}")
+    new = lambda cols: torch.empty(W, cols, dtype=weaver.token_table.dtype, device=nodes.device)  # noqa: E731
+    rope = (weaver.rope_cos, weaver.rope_sin) if cfg.rotary else None
+    x = new(d)
+    for layer, block in enumerate(weaver.blocks):
+        qkv, norm_attn = new(3 * d), (block.norm_attn.weight, block.norm_attn.bias, NORM_EPS)
+        if layer == 0:
+            gather = (tokens, nodes, depths, None if cfg.rotary else weaver.pos_emb, x)
+            weaver_step.rows_matmul(weaver.token_table, block.qkv_proj.weight, qkv, norm=norm_attn, gather=gather)
+        else:
+            weaver_step.rows_matmul(x, block.qkv_proj.weight, qkv, norm=norm_attn)
+        attn = new(d)
+        weaver_step.node_attention(qkv, cache.k[layer], cache.v[layer], rope, nodes, depths, ancestors, attn,
+                                   cache.prefix_len, cfg.K)
+        x1 = new(d)
+        weaver_step.rows_matmul(attn, block.o_proj.weight, x1, res=x)
+        up, down = (block.gate_up_proj, block.down_proj) if block.swiglu else (block.fc1, block.fc2)
+        act = new(cfg.mlp_dim)
+        weaver_step.rows_matmul(x1, up.weight, act, norm=(block.norm_mlp.weight, block.norm_mlp.bias, NORM_EPS),
+                                bias=up.bias, act=weaver_step.SWIGLU if block.swiglu else weaver_step.GELU)
+        x = new(d)
+        weaver_step.rows_matmul(act, down.weight, x, bias=down.bias, res=x1)
+    return x
+
+
 def expand_nodes_with_kernels(
     nodes: torch.Tensor, weaver: Weaver, cache: WeaverCache, tokens: torch.Tensor, depths: torch.Tensor,
     ancestors: torch.Tensor, scores: torch.Tensor, pool_ids: torch.Tensor, pool_logits: torch.Tensor,
     frontier_score: torch.Tensor, frontier_token: torch.Tensor,
 ) -> None:
-    """:func:`expand_nodes` as Triton launches: the Weaver step (``kernels.tree_growth.weaver_step``, five per
-    block), the re-scoring with the step's output norm in it, and the publishing."""
-    rows = weaver_step.weaver_step_rows(weaver, cache, nodes, tokens, depths, ancestors)
+    """:func:`expand_nodes` as Triton launches: the Weaver step (`fused_step_rows`), the re-scoring with the
+    step's output norm in it, and the publishing."""
+    rows = fused_step_rows(weaver, cache, nodes, tokens, depths, ancestors)
     norm = (weaver.out_norm.weight, weaver.out_norm.bias, NORM_EPS)
     logits = weaver_round.rescore_pool(weaver.w_res, rows, pool_ids, pool_logits, depths, nodes, norm)
     weaver_round.publish_children(logits, pool_ids, depths, scores, frontier_score, frontier_token, nodes)

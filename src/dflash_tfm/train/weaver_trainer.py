@@ -447,7 +447,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """``dflash-tfm train-weaver``: load the target and drafter, train, print the held-out metrics."""
-    from dflash_tfm.loading.errors import CheckpointError
+    from dflash_tfm.errors import CheckpointError
     from dflash_tfm.loading.loader import load_target, parse_dtype
     from dflash_tfm.spec.dflash import load_dflash_drafter
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dflash_tfm.spec.tree import ancestor_mask, unpack_bitsets
+from dflash_tfm.tree import ancestor_mask, unpack_bitsets
 
 F32 = torch.float32
 

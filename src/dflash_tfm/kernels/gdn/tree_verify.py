@@ -42,7 +42,7 @@ import triton.language as tl
 
 from dflash_tfm.kernels import TRITON_INTERPRETED, use_triton
 from dflash_tfm.kernels.gdn.tree_reference import GDNTreeContext, check_gdn_tree_inputs, gdn_tree_verify_reference
-from dflash_tfm.spec.tree import ancestor_bitsets
+from dflash_tfm.tree import ancestor_bitsets
 
 PRECISIONS = ("ieee", "tf32", "tf32x3")
 

@@ -4,7 +4,7 @@ A decode step runs `h += mixer_out; x = rmsnorm(h); y = W x` before every mixer'
 gate_up. Apart from the weight stream, the add + norm is a tiny kernel, a few microseconds of launch latency in
 a CUDA graph. Here the GEMV computes its own input while it streams its weight rows: every program re-derives
 the input vector from L2 in chunks, so nothing else is launched. Numerics follow the unfused path: the residual
-sum is rounded to the model dtype before the norm, the norm's statistics are fp32 (`layers/norm.py` forms), the
+sum is rounded to the model dtype before the norm, the norm's statistics are fp32 (`kernels/norm/reference.py` forms), the
 GEMV input is rounded to the model dtype, dot products accumulate in fp32. Twin: `add_norm_gemv_reference`.
 """
 from __future__ import annotations
@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from dflash_tfm.kernels import use_triton
+from dflash_tfm.kernels.norm.reference import add_rms_norm
 
 
 @triton.jit
@@ -59,9 +60,7 @@ def add_norm_gemv_reference(
     h: torch.Tensor, delta: torch.Tensor, norm_weight: torch.Tensor, eps: float, plus_one: bool, weight: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(h + delta, W · rmsnorm(h + delta)) exactly as the unfused layers compute them."""
-    from dflash_tfm.layers.norm import add_rms_norm
-
-    h_new, x = add_rms_norm.__wrapped__(h, delta, norm_weight, eps, plus_one)
+    h_new, x = add_rms_norm(h, delta, norm_weight, eps, plus_one)
     return h_new, F.linear(x, weight)
 
 

@@ -1,9 +1,10 @@
-"""The batched Weaver step of a tree round (W ≤ 16 node rows) as five Triton launches per Weaver block.
+"""The kernels of the batched Weaver step of a tree round (W ≤ 16 node rows): five launches per Weaver block.
 
 Why: a round multiplies a handful of rows by the Weaver weights (59 MB at the published 27B shapes, ~14 µs of
 streaming), but as torch ops — gathers, norms, RoPE, the masked softmax, activations and residual adds between
 four projections — it is ~25 launches, and inside a CUDA graph each costs a few µs (docs/PERFORMANCE.md, issue
-4). Here every projection computes its own input and output glue while it streams its weight rows:
+4). Here every projection computes its own input and output glue while it streams its weight rows
+(`spec.weaver_tree.fused_step_rows` runs a block as):
 
 1. ``_rows_matmul_kernel`` (GATHER, NORM): x = token_table[token] (+ pos_emb), norm_attn(x) · W_qkvᵀ (its program
    0 also stores x, the block's residual);
@@ -13,7 +14,7 @@ four projections — it is ~25 launches, and inside a CUDA graph each costs a fe
 4. ``_rows_matmul_kernel`` (NORM, SWIGLU or GELU): act(norm_mlp(x) · W_upᵀ + b);
 5. ``_rows_matmul_kernel`` (RESIDUAL): x + act · W_downᵀ + b.
 
-The output norm runs inside the pool re-scoring (``weaver_round.rescore_pool(norm=…)``). Numerics follow the torch
+The output norm runs inside the pool re-scoring (``weaver_round.rescore_pool``). Numerics follow the torch
 step: fp32 accumulation and norm statistics, every intermediate rounded to the Weaver dtype where the torch ops
 round it. Twin: ``Weaver.step`` (without its ``out_norm``). Precondition of the fused attention: no node of a call
 is an ancestor of another node of the same call — true of a tree round, whose nodes are children of nodes expanded
@@ -21,17 +22,11 @@ in earlier rounds — so each node reads its ancestors' K/V from the cache and i
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import triton
 import triton.language as tl
 
-from dflash_tfm.kernels import use_triton
 from dflash_tfm.tuning import TunedChoice
-
-if TYPE_CHECKING:
-    from dflash_tfm.spec.weaver import Weaver, WeaverCache, WeaverNorm
 
 MAX_ROWS = 16  # the row tile of the tensor-core dot
 NO_ACT, SWIGLU, GELU = 0, 1, 2
@@ -254,18 +249,19 @@ def _arrival_counters(device: torch.device) -> torch.Tensor:
     return _arrivals[device]
 
 
-def _rows_matmul(
-    x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, *, norm: WeaverNorm | None = None,
-    bias: torch.Tensor | None = None, act: int = NO_ACT, res: torch.Tensor | None = None,
+def rows_matmul(
+    x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, *,
+    norm: tuple[torch.Tensor, torch.Tensor, float] | None = None, bias: torch.Tensor | None = None,
+    act: int = NO_ACT, res: torch.Tensor | None = None,
     gather: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor] | None = None,
 ) -> None:
-    """y ← act(norm(rows) · weightᵀ + bias) (+ res). ``gather`` = (tokens, nodes, depths, pos_emb or None, x_out):
-    the rows are x[tokens[nodes]] (+ pos_emb), stored to x_out."""
-    from dflash_tfm.spec.weaver import NORM_EPS
-
+    """y ← act(norm(rows) · weightᵀ + bias) (+ res), ``norm`` = (weight, bias, eps) of a Weaver RMSNorm (fp32
+    statistics and affine). ``gather`` = (tokens, nodes, depths, pos_emb or None, x_out): the rows are
+    x[tokens[nodes]] (+ pos_emb), stored to x_out."""
     M, N = y.shape
     K = weight.shape[1]
     tokens, nodes, depths, pos_emb, x_out = gather if gather is not None else (y, y, y, None, y)
+    norm_weight, norm_bias, eps = norm if norm is not None else (weight, weight, 0.0)
     dummy = weight
     flags = dict(GATHER=gather is not None, POS=pos_emb is not None, NORM=norm is not None, ACT=act,
                  HAS_BIAS=bias is not None, RESIDUAL=res is not None)
@@ -282,9 +278,9 @@ def _rows_matmul(
         arrivals = _arrival_counters(y.device) if split > 1 else dummy
         _rows_matmul_kernel[(tiles, split)](
             x, res if res is not None else dummy, x_out, tokens, nodes, depths,
-            pos_emb if pos_emb is not None else dummy, norm.weight if norm is not None else dummy,
-            norm.bias if norm is not None else dummy, weight, bias if bias is not None else dummy, y, partial,
-            arrivals, M, N, K, pos_emb.shape[0] if pos_emb is not None else 1, k_split, NORM_EPS, **flags,
+            pos_emb if pos_emb is not None else dummy, norm_weight, norm_bias, weight,
+            bias if bias is not None else dummy, y, partial, arrivals, M, N, K,
+            pos_emb.shape[0] if pos_emb is not None else 1, k_split, eps, **flags,
             PRECISION="ieee" if weight.dtype == torch.float32 else "tf32",
             BM=MAX_ROWS, BN=BN, BK=BK, SPLIT=split, num_warps=warps, num_stages=stages)
 
@@ -295,41 +291,17 @@ def _rows_matmul(
     launch(ROWS_MATMUL.pick(key, lambda: {t: (lambda t=t: launch(t)) for t in ROW_TILES}, weight.device))
 
 
-def weaver_step_rows(weaver: Weaver, cache: WeaverCache, nodes: torch.Tensor, tokens: torch.Tensor,
-                     depths: torch.Tensor, ancestors: torch.Tensor) -> torch.Tensor:
-    """``Weaver.step`` of node slots ``nodes`` [W] before its ``out_norm``: x [W, d_rank], the nodes' K/V written
-    into ``cache``. tokens, depths [N] long and ancestors [N, N] bool are the tree's whole buffers (read at
-    ``nodes`` on the device). No node of ``nodes`` may be an ancestor of another (module docstring)."""
-    if not use_triton(nodes):
-        return weaver.step_rows(cache, nodes, tokens[nodes], depths[nodes], ancestors[nodes])
-    cfg = weaver.config
-    W, d, N = nodes.shape[0], cfg.d_rank, ancestors.shape[0]
-    if not 1 <= W <= MAX_ROWS:
-        raise ValueError(f"the fused Weaver step takes 1 … {MAX_ROWS} nodes, got {W}")
-    if cfg.head_dim & (cfg.head_dim - 1) or cfg.head_dim < 2:
-        raise ValueError(f"the fused Weaver attention needs a power-of-two head dim, got {cfg.head_dim}")
-    new = lambda cols: torch.empty(W, cols, dtype=weaver.token_table.dtype, device=nodes.device)  # noqa: E731
-    x = new(d)
-    cos = weaver.rope_cos if cfg.rotary else weaver.token_table  # (unused without RoPE)
-    sin = weaver.rope_sin if cfg.rotary else weaver.token_table
-    for layer, block in enumerate(weaver.blocks):
-        qkv = new(3 * d)
-        if layer == 0:
-            pos_emb = None if cfg.rotary else weaver.pos_emb
-            _rows_matmul(weaver.token_table, block.qkv_proj.weight, qkv, norm=block.norm_attn,
-                         gather=(tokens, nodes, depths, pos_emb, x))
-        else:
-            _rows_matmul(x, block.qkv_proj.weight, qkv, norm=block.norm_attn)
-        attn = new(d)
-        _node_attention_kernel[(W, cfg.num_heads)](
-            qkv, cache.k[layer], cache.v[layer], cos, sin, nodes, depths, ancestors.view(torch.uint8), attn,
-            cache.prefix_len, N, cfg.num_heads, cfg.K, cfg.head_dim ** -0.5,
-            ROTARY=cfg.rotary, D=cfg.head_dim, BT=32, num_warps=4)
-        x1 = new(d)
-        _rows_matmul(attn, block.o_proj.weight, x1, res=x)
-        up, down = (block.gate_up_proj, block.down_proj) if block.swiglu else (block.fc1, block.fc2)
-        act = new(cfg.mlp_dim)
-        _rows_matmul(x1, up.weight, act, norm=block.norm_mlp, bias=up.bias, act=SWIGLU if block.swiglu else GELU)
-        x = new(d)
-        _rows_matmul(act, down.weight, x, bias=down.bias, res=x1)
-    return x
+def node_attention(
+    qkv: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
+    nodes: torch.Tensor, depths: torch.Tensor, ancestors: torch.Tensor, out: torch.Tensor, prefix_len: int,
+    max_depth: int,
+) -> None:
+    """out [W, H·D] ← attention of node slots ``nodes`` [W] (their q | k | v rows ``qkv [W, 3·H·D]``) over one
+    layer's cache ``cache_k``, ``cache_v`` [P + N, H, D]: the prefix and each node's ancestors (``ancestors``
+    [N, N] bool, inclusive), its own k, v written into the cache first; q, k RoPE'd at position
+    min(depth, max_depth) + 1 when ``rope`` = (cos, sin) [max_depth + 2, D] fp32 is given."""
+    H, D = cache_k.shape[1:]
+    cos, sin = rope if rope is not None else (qkv, qkv)  # (not read without RoPE)
+    _node_attention_kernel[(nodes.shape[0], H)](
+        qkv, cache_k, cache_v, cos, sin, nodes, depths, ancestors.view(torch.uint8), out, prefix_len,
+        ancestors.shape[0], H, max_depth, D ** -0.5, ROTARY=rope is not None, D=D, BT=32, num_warps=4)
