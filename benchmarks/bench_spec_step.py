@@ -23,7 +23,6 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.bench_dflash_draft import QWEN3_6_27B_DFLASH
 from benchmarks.kernel_profile import print_phase_tables
 from benchmarks.timing import report_choices, time_ms
 from dflash_tfm.config import ModelConfig
@@ -32,7 +31,7 @@ from dflash_tfm.engine.model_runner import ModelRunner
 from dflash_tfm.engine.speculative import SpeculativeDecoder
 from dflash_tfm.layers.linear import skinny_projections
 from dflash_tfm.loading.loader import build_model
-from dflash_tfm.models.presets import QWEN3_6_27B
+from dflash_tfm.models.presets import PUBLISHED_WEAVER, QWEN3_6_27B, QWEN3_6_27B_DFLASH
 from dflash_tfm.models.random_init import init_random_
 from dflash_tfm.sampling_params import SamplingParams
 from dflash_tfm.spec.dflash import DFlashDrafter
@@ -114,8 +113,7 @@ def main() -> None:
     results = {"context": args.context, "ar_step_ms": ar_ms, "modes": {}}
     with tempfile.TemporaryDirectory() as tmp:
         weaver_path = Path(tmp) / "weaver.pth"
-        write_random_weaver_checkpoint(weaver_path, cfg, variant=1, d_rank=2048, num_heads=16, mlp_dim=2048,
-                                       num_layers=1, K=block - 1, pool=512)
+        write_random_weaver_checkpoint(weaver_path, cfg, K=block - 1, **PUBLISHED_WEAVER)
         modes = [("DFLASH", 1, 0)] + [("DDTREE", b, 0) for b in args.budgets]
         modes += [("DFLASH_TFM", b, c) for b in args.budgets for c in args.tfm_children_per_node]
         for algo, budget, children in modes:

@@ -126,15 +126,17 @@ def test_stale_entries_and_foreign_files_are_timed_anew(fake_gpu, tmp_path) -> N
         assert choice.pick("k", timings(a=2.0, b=1.0), GPU) == "b"
 
 
-def test_retuning_times_everything_and_replaces_the_file(fake_gpu, tmp_path) -> None:
+def test_retuning_times_every_shape_it_meets_anew(fake_gpu, tmp_path) -> None:
     choice = tuning.TunedChoice("op", default="a", candidates=("a", "b"))
-    choice.pick("old", timings(a=1.0, b=2.0), GPU)
+    choice.pick("other", timings(a=1.0, b=2.0), GPU)
     choice.pick("k", timings(a=1.0, b=2.0), GPU)
+    path = tmp_path / "nvidia-test-gpu.json"
     with tuning.retuning(GPU):
         assert choice.pick("k", timings(a=2.0, b=1.0), GPU) == "b"
-        assert set(json.loads((tmp_path / "nvidia-test-gpu.json").read_text())["choices"]["op"]) == {"old", "k"}
-    assert json.loads((tmp_path / "nvidia-test-gpu.json").read_text())["choices"] == {
-        "op": {"k": {"chosen": "b", "ms": {"a": 2.0, "b": 1.0}}}}
+        assert json.loads(path.read_text())["choices"]["op"]["k"]["chosen"] == "a"  # written at the end
+    assert json.loads(path.read_text())["choices"] == {"op": {"k": {"chosen": "b", "ms": {"a": 2.0, "b": 1.0}},
+                                                              "other": {"chosen": "a", "ms": {"a": 1.0, "b": 2.0}}}}
+    assert choice.pick("k", timings(a=1.0, b=2.0), GPU) == "b"
 
 
 def test_the_kernel_path_line_names_the_file_and_every_choice(fake_gpu, tmp_path) -> None:

@@ -19,7 +19,8 @@ H100 wants. Format::
 
 keyed by operator, then by the operator's shape key (its key tuple as comma-joined text, dtypes without the
 ``torch.`` prefix); each entry keeps every candidate's time (and why a candidate failed), so a report shows by
-how much the others lost. ``dflash-tfm tune`` re-times every choice of a target's shapes and rewrites the file.
+how much the others lost. ``dflash-tfm tune`` re-times every choice of a target's shapes and rewrites their
+entries; deleting the file starts it over.
 
 A key missing from the file is timed at its first use, as before: outside a CUDA-graph capture (the engine runs
 every phase eagerly before capturing it), each candidate replayed from a CUDA graph (`do_bench_cudagraph`: timed
@@ -112,9 +113,12 @@ class Table:
         return entry["chosen"]
 
     def save(self) -> None:
-        """Replace the file with this table."""
+        """Write this table's entries into the file (over the file's own for the same keys; other keys stay)."""
         with _locked(self.path):
-            _write(self.path, self.device_name, self.choices)
+            on_disk = _read(self.path, self.device_name)
+            for op, entries in self.choices.items():
+                on_disk.setdefault(op, {}).update(entries)
+            _write(self.path, self.device_name, on_disk)
 
     def digest(self) -> str:
         """A short hash of every (operator, key, choice): two processes with equal digests take the same path."""
@@ -229,8 +233,9 @@ def describe_kernel_path(device: torch.device) -> str:
 
 @contextlib.contextmanager
 def retuning(device: torch.device) -> Iterator[Table]:
-    """Inside the block every choice on ``device``'s GPU is timed anew (the file is not read); at the end the file
-    is replaced by what was timed. `dflash-tfm tune` runs a target's steps inside it."""
+    """Inside the block every choice on ``device``'s GPU is timed anew (the file is not read); at the end what was
+    timed is written over the file's entries for those shapes (other shapes' stay: delete the file to drop them).
+    `dflash-tfm tune` runs a target's steps inside it."""
     name = torch.cuda.get_device_name(device)
     table = Table(name, cache_dir() / f"{device_slug(name)}.json", fresh=True)
     _tables[name] = table
