@@ -269,7 +269,7 @@ ATTENTION_SWEEP = [dict(num_splits=s, block_n=bn, block_m=bm, num_stages=st)
 
 def bench_attention_sweep(ns: list[int], lengths: list[int], layers: int) -> None:
     """µs per layer of `tree_attention` for each (splits, key tile, row tile, stages) at every N and cache
-    length: the candidates the verify's measured choice could add."""
+    length: the candidates the verify attention's tuned choice could add."""
     caches = [tuple(torch.randn(1, CACHE, HKV, HEAD_DIM, device="cuda", dtype=torch.bfloat16) for _ in range(2))
               for _ in range(layers)]
     cols = [(n, length) for n in ns for length in lengths]

@@ -124,7 +124,7 @@ def test_triton_weaver_tree_with_kernels_equals_torch_builder(budget: int, trito
 
 @pytest.mark.gpu
 def test_round_kernels_match_twins_at_published_shapes() -> None:
-    """Vocabulary 248320, d_rank 2048, pool 512, K 15, a 65-node tree, W = 4 nodes, bf16 W_res (issue 4's
+    """Vocabulary 248320, d_rank 2048, pool 512, K 15, a 65-node tree, W = 4 nodes, bf16 W_res (the published
     shapes)."""
     gen = torch.Generator().manual_seed(0)
     V, D, Kd, P, n, c = 248320, 2048, 15, 512, 65, 8

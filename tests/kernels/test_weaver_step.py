@@ -90,7 +90,7 @@ def test_weaver_step_rejects_too_many_nodes(tmp_path) -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("tile", list(weaver_step.ROW_TILES))
 def test_weaver_step_matches_torch_step_at_published_shapes(tile: str, tmp_path) -> None:
-    """d_rank 2048, 16 heads, MLP 2048, K 15, a 65-node tree, W = 4, bf16 (issue 4's Weaver), every tuned tile
+    """d_rank 2048, 16 heads, MLP 2048, K 15, a 65-node tree, W = 4, bf16 (the published Weaver), every tuned tile
     of the projections; three calls in a row give equal rows (the K-split tiles leave their counters zeroed)."""
     model, cfg = tiny_target(5120)
     path = tmp_path / "w.pth"

@@ -108,7 +108,7 @@ class SpeculativeDecoder:
         if not params.greedy:
             self._uniforms.uniform_(generator=generator)
         sampling = "greedy" if params.greedy else (params.temperature, params.top_k, params.top_p)
-        with skinny_projections():  # fixed row counts: projections may use the measured skinny kernels
+        with skinny_projections():  # fixed row counts: projections may take their tuned kernels
             if not self._drafted:
                 self._timed_draft(L)
             with t.phase("tree"):

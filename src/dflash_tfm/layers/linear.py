@@ -79,7 +79,7 @@ def implementation(name: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Te
 def cublas_in_parts(x: torch.Tensor, weight: torch.Tensor, parts: int) -> torch.Tensor:
     """``F.linear`` as `parts` cuBLAS GEMMs over equal row blocks of the weight, each writing its column slice
     of one output (no copies). cuBLAS picks its tiles by the output width, and at 65 rows the 34816-wide MLP
-    gate_up streamed its weight ~10 % slower than the one-row GEMV did (docs/PERFORMANCE.md, session 16)."""
+    gate_up streamed its weight ~10 % slower than the one-row GEMV did (docs/PERFORMANCE.md, tree verification)."""
     N, K = weight.shape
     step = N // parts
     if N % parts or step % 8:  # every slice 16-byte aligned

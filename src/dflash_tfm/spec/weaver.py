@@ -187,7 +187,7 @@ def _fill_prefix(h_dflash: torch.Tensor, h_target: torch.Tensor, weaver: Weaver,
 
 
 # Once per tree on CUDA, one compiled function: the prefix's three norms, RoPE and softmax are otherwise ~40
-# launches of a few µs each (docs/PERFORMANCE.md, session 15). Sized by its K + 1 rows.
+# launches of a few µs each (docs/PERFORMANCE.md, speculative step parts). Sized by its K + 1 rows.
 fill_prefix = fuse_on_cuda(_fill_prefix, count_rows=True)
 
 

@@ -1,4 +1,4 @@
-"""Train a Weaver for a frozen target + DFlash drafter pair (MODELS.md "Weaver", training; issue 5 item 3).
+"""Train a Weaver for a frozen target + DFlash drafter pair (MODELS.md "Weaver", training).
 
 What is learnt: at a committed length L the drafter has seen the context [0, L) and drafts a block whose root is
 the token at L. Along the TRUE continuation (the target-generated tokens at L+1 … L+K of a training row) Weaver's

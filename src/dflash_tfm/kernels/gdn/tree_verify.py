@@ -320,7 +320,7 @@ class ChunkSolve:
     """Launch and precision settings of the chunk kernel. The defaults are the fastest configuration of the H200
     sweeps at Qwen3.6-27B shapes (``python -m benchmarks.bench_tree_kernels --sweep``: 10.7 / 21.8 / 42.9 µs per
     layer at N = 16 / 65 / 129, against 14.3 / 64.4 / 137.0 for the first, serial fp32 solver; errors vs the fp32
-    twin: o 6.6e-3 with bf16 outputs, u 6.3e-4; docs/PERFORMANCE.md, sessions 18–19); the others are the sweep's
+    twin: o 6.6e-3 with bf16 outputs, u 6.3e-4; docs/PERFORMANCE.md, tree verification kernels); the others are the sweep's
     axes.
 
     ``block_size``: the row block BT (16 or 32). ``precision`` / ``solve_precision``: "ieee" | "tf32" | "tf32x3"

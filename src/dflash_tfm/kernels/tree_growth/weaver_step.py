@@ -2,9 +2,9 @@
 
 Why: a round multiplies a handful of rows by the Weaver weights (59 MB at the published 27B shapes, ~14 µs of
 streaming), but as torch ops — gathers, norms, RoPE, the masked softmax, activations and residual adds between
-four projections — it is ~25 launches, and inside a CUDA graph each costs a few µs (docs/PERFORMANCE.md, issue
-4). Here every projection computes its own input and output glue while it streams its weight rows
-(`spec.weaver_tree.fused_step_rows` runs a block as):
+four projections — it is ~25 launches, and inside a CUDA graph each costs a few µs (docs/PERFORMANCE.md,
+speculative step parts). Here every projection computes its own input and output glue while it streams its
+weight rows (`spec.weaver_tree.fused_step_rows` runs a block as):
 
 1. ``_rows_matmul_kernel`` (GATHER, NORM): x = token_table[token] (+ pos_emb), norm_attn(x) · W_qkvᵀ (its program
    0 also stores x, the block's residual);
@@ -226,7 +226,7 @@ def _block_n(n: int) -> int:
 
 # Tiles (BN, BK, warps, stages, K slices) of `_rows_matmul_kernel`, a tuned choice per projection shape
 # (`dflash_tfm.tuning`). The default tiles (one program per 16 or 32 columns, BK 128) streamed the Weaver's 59 MB
-# per round at ~0.8 TB/s on the H200 (session 10), cuBLAS the same projections at ~1.5 TB/s: wider K steps, more
+# per round at ~0.8 TB/s on the H200, cuBLAS the same projections at ~1.5 TB/s: wider K steps, more
 # stages, and K split over several programs keep more weight bytes in flight. Of the ten tiles timed, each
 # projection took one of these three in every recorded run (docs/data/spec_step_h200s1*.json): the normed qkv
 # "n32 k256 s4" (12.8–14.3 µs), o_proj and down "n32 k128 s4 x4" (4.5–5.2 µs), the normed SwiGLU gate_up
