@@ -27,7 +27,8 @@ def fake_gpu(monkeypatch, tmp_path):
         return ms
 
     monkeypatch.setattr(tuning, "_registry", {})
-    monkeypatch.setattr(tuning.torch.cuda, "get_device_name", lambda device=None: "NVIDIA Test GPU")
+    monkeypatch.setattr(tuning, "_device_name", lambda index: "NVIDIA Test GPU")
+    monkeypatch.setattr(tuning.torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(tuning.torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.setattr(triton.testing, "do_bench_cudagraph", bench)
     session_directory = tuning.cache_dir()

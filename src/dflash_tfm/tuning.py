@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import hashlib
 import json
 import logging
@@ -85,6 +86,7 @@ class Table:
     def __init__(self, device_name: str, path: Path, fresh: bool = False) -> None:
         self.device_name, self.path, self.fresh = device_name, path, fresh
         self.choices: dict[str, dict[str, dict]] = {} if fresh else _read(path, device_name)
+        self.picked: dict[tuple[str, Hashable], str] = {}  # (operator, key tuple) -> name, the per-call lookup
         self._write_failed = False
 
     def get(self, operator: str, key: str) -> dict | None:
@@ -149,15 +151,21 @@ class TunedChoice:
             return self._forced
         if device.type != "cuda":
             return self.default
-        table, text = _table(device), key_text(key)
+        table = _table(device)
+        chosen = table.picked.get((self.operator, key))
+        if chosen is not None:
+            return chosen
+        text = key_text(key)
         entry = table.get(self.operator, text)
         if entry is not None and entry.get("chosen") in self.candidates:
-            return entry["chosen"]
-        if torch.cuda.is_current_stream_capturing():
+            chosen = entry["chosen"]
+        elif torch.cuda.is_current_stream_capturing():
             return self.default
-        entry = self._time(candidates())
-        chosen = table.record(self.operator, text, entry, self.candidates)
-        log.info("%s on %s, %s: %s", self.operator, table.device_name, text, describe_entry(entry, self.default))
+        else:
+            entry = self._time(candidates())
+            chosen = table.record(self.operator, text, entry, self.candidates)
+            log.info("%s on %s, %s: %s", self.operator, table.device_name, text, describe_entry(entry, self.default))
+        table.picked[(self.operator, key)] = chosen
         return chosen
 
     def _time(self, candidates: dict[str, Callable[[], object]]) -> dict:
@@ -236,7 +244,7 @@ def retuning(device: torch.device) -> Iterator[Table]:
     """Inside the block every choice on ``device``'s GPU is timed anew (the file is not read); at the end what was
     timed is written over the file's entries for those shapes (other shapes' stay: delete the file to drop them).
     `dflash-tfm tune` runs a target's steps inside it."""
-    name = torch.cuda.get_device_name(device)
+    name = _device_name(device.index if device.index is not None else torch.cuda.current_device())
     table = Table(name, cache_dir() / f"{device_slug(name)}.json", fresh=True)
     _tables[name] = table
     try:
@@ -248,10 +256,15 @@ def retuning(device: torch.device) -> Iterator[Table]:
 
 
 def _table(device: torch.device) -> Table:
-    name = torch.cuda.get_device_name(device)
+    name = _device_name(device.index if device.index is not None else torch.cuda.current_device())
     if name not in _tables:
         _tables[name] = Table(name, cache_dir() / f"{device_slug(name)}.json")
     return _tables[name]
+
+
+@functools.lru_cache(maxsize=None)
+def _device_name(index: int) -> str:
+    return torch.cuda.get_device_name(index)
 
 
 def _read(path: Path, device_name: str) -> dict[str, dict[str, dict]]:
