@@ -6,7 +6,8 @@ have a winner that truly changes with the shape: which kernel streams a projecti
 fused projections take. For those a `TunedChoice` times its candidates on the caller's real tensors, but only
 once per GPU model: the result goes into a file that every later process reads, so two runs of the same command
 take the same kernels. (Timing anew in every process let the choice flip between runs when two candidates came
-within noise of each other: one flipped add + norm choice cost 0.37 ms per decode step; docs/PERFORMANCE.md, autoregressive decode step.)
+within noise of each other: one flipped add + norm choice cost 0.37 ms per decode step; docs/PERFORMANCE.md,
+autoregressive decode step.)
 
 The file. ``<cache>/tuning/<gpu-name-slug>.json`` (e.g. ``nvidia-h200.json``), where ``<cache>`` is
 ``$DFLASH_TFM_CACHE`` or ``~/.cache/dflash_tfm`` (the same directory as the GGUF tokenizer cache). One file per GPU
@@ -124,7 +125,7 @@ class Table:
 
     def digest(self) -> str:
         """A short hash of every (operator, key, choice): two processes with equal digests take the same path."""
-        chosen = {op: {k: e["chosen"] for k, e in sorted(entries.items())} for op, entries in sorted(self.choices.items())}
+        chosen = {op: {k: e["chosen"] for k, e in entries.items()} for op, entries in self.choices.items()}
         return hashlib.sha1(json.dumps(chosen, sort_keys=True).encode()).hexdigest()[:8]
 
 

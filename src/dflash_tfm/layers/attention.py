@@ -162,9 +162,9 @@ def decode_attention(
 # The tree kernel's tiles the verify's tuned choice times besides its own split heuristic ("tree_kernel"), as
 # tree_attention keyword arguments: those that won a tree size on the H200. In the model (1536 cached keys,
 # docs/data/verify_step_h200s1[678]*.json): 16 cache splits at N = 1 and 16 (13.5 against the heuristic's 16.7 µs
-# at N = 16), 4 splits of 64-key tiles at N = 65 (26.2 against 34.7), 2 at N = 129 (41.7 against 56.3). In
-# the sweep of the kernel alone (`bench_tree_kernels --attention-sweep`), 128-row tiles (each K/V tile read for twice the rows): 8 splits at
-# N = 65, 4 at N = 129, 7–19 % under those. The sweep's other tiles never won.
+# at N = 16), 4 splits of 64-key tiles at N = 65 (26.2 against 34.7), 2 at N = 129 (41.7 against 56.3). In the
+# sweep of the kernel alone (`bench_tree_kernels --attention-sweep`), 128-row tiles (each K/V tile read for twice
+# the rows): 8 splits at N = 65, 4 at N = 129, 7–19 % under those. The sweep's other tiles never won.
 VERIFY_TILES = {"tree_kernel s16": {"num_splits": 16}, "tree_kernel s4 bn64": {"num_splits": 4, "block_n": 64},
                 "tree_kernel s2 bn64": {"num_splits": 2, "block_n": 64},
                 "tree_kernel s8 bm128": {"num_splits": 8, "block_m": 128},
