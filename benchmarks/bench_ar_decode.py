@@ -20,10 +20,6 @@ import torch
 from benchmarks.timing import report_choices, time_ms
 from dflash_tfm.config import ModelConfig
 from dflash_tfm.engine.model_runner import ModelRunner
-from dflash_tfm.layers.attention import decode_attention_choice
-from dflash_tfm.layers.fused_projections import add_norm_choice, silu_mul_choice
-from dflash_tfm.layers.linear import projection_choice
-from dflash_tfm.layers.norm import add_norm_rows_choice
 from dflash_tfm.loading.loader import build_model
 from dflash_tfm.models.presets import QWEN3_6_27B
 from dflash_tfm.models.random_init import init_random_
@@ -97,9 +93,7 @@ def bench_ours(cfg: ModelConfig, contexts: list[int], iters: int) -> tuple[dict,
         loop_ms = time_ms(engine_loop, iters)
         results[ctx] = {"prefill_s": prefill_s, "graph_step_ms": step_ms, "engine_loop_ms": loop_ms}
         print(f"ctx {ctx}: prefill {prefill_s:.2f} s, graph step {step_ms:.2f} ms, loop {loop_ms:.2f} ms", flush=True)
-    # After every context: each context's key-length bucket has its own decode-attention choice.
-    report_choices(results, projections=projection_choice, add_norm=add_norm_choice, silu_mul=silu_mul_choice,
-                   decode_attention=decode_attention_choice, add_norm_rows=add_norm_rows_choice)
+    report_choices(results)
     del runner, model
     torch.cuda.empty_cache()
     return results, weight_bytes

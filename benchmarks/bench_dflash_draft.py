@@ -22,22 +22,11 @@ import torch
 from benchmarks.bench_ar_decode import copy_bandwidth
 from benchmarks.kernel_profile import print_kernel_table
 from benchmarks.timing import report_choices, time_ms
-from dflash_tfm.layers.linear import projection_choice, skinny_projections
-from dflash_tfm.models.presets import QWEN3_6_27B
+from dflash_tfm.layers.linear import skinny_projections
+from dflash_tfm.models.presets import QWEN3_6_27B, QWEN3_6_27B_DFLASH
 from dflash_tfm.models.random_init import init_random_
-from dflash_tfm.spec.dflash import DFlashDrafter, block_attention_choice
+from dflash_tfm.spec.dflash import DFlashDrafter
 from dflash_tfm.spec.dflash_config import DFlashConfig
-
-S, F = "sliding_attention", "full_attention"
-# z-lab/Qwen3.6-27B-DFlash as described in MODELS.md.
-QWEN3_6_27B_DFLASH: dict = {
-    "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": 5120, "num_hidden_layers": 5,
-    "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 17408,
-    "rms_norm_eps": 1e-6, "rope_theta": 10_000_000.0, "layer_types": [S, S, S, S, F], "sliding_window": 2048,
-    "num_target_layers": 64, "block_size": 16,
-    "dflash_config": {"mask_token_id": 248070, "target_layer_ids": [1, 16, 31, 46, 61]},
-}
-
 
 def bucket(n: int, max_len: int, minimum: int = 256) -> int:
     """Smallest power of two >= n (and >= minimum), capped at max_len: the static kv_len of one graph."""
@@ -111,8 +100,7 @@ def main() -> None:
             print_kernel_table(lambda: drafter.append_context(commit, ctx - 16), "append 16 context tokens")
     print(f"\n{torch.cuda.get_device_name()}; copy bandwidth {bw / 1e12:.2f} TB/s; drafter weights "
           f"{weight_bytes / 1e9:.2f} GB + lm_head {head_bytes / 1e9:.2f} GB")
-    choices: dict = {}
-    report_choices(choices, draft_attention=block_attention_choice, projections=projection_choice)
+    report_choices({})
     print("| context | kv_len | draft eager ms | draft graph ms | floor ms | % of floor (graph) | append 16 ms |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:

@@ -1,9 +1,9 @@
-"""Every projection kernel choice at Qwen3.6-27B shapes, with its margins (GPU script).
+"""Every projection kernel candidate at Qwen3.6-27B shapes, with its margins (GPU script).
 
-What `MeasuredChoice` decides silently, as a table: for one row (a decode step) the separate kernels (add +
-RMSNorm, cuBLAS GEMV; silu · mul, cuBLAS GEMV) against the fused Triton GEMVs; for 16 and 65 rows (drafter
-block, tree verify) cuBLAS against each skinny-matmul configuration and each algorithm of cuBLASLt's ranked
-list (with nvmath-python). Times are `triton.testing.do_bench` medians; TB/s counts the weight bytes only.
+What the projections' tuned choice decides, as a table (`layers/linear.py`): cuBLAS against every other
+candidate it times for the shape; and for one row (a decode step) the fused add + RMSNorm GEMV the decoder runs
+before the mixers' input projections and gate_up against the separate kernels. Times are
+`triton.testing.do_bench` medians; TB/s counts the weight bytes only.
 
     python -m benchmarks.bench_projection_kernels [--rows 1 16 65]
 """
@@ -16,11 +16,8 @@ import torch.nn.functional as F
 from triton.testing import do_bench
 
 from dflash_tfm.config import ModelConfig
-from dflash_tfm.kernels.linear import cublaslt_algorithms
-from dflash_tfm.kernels.linear.fused_gemv import add_norm_gemv, silu_mul_gemv
-from dflash_tfm.kernels.linear.skinny_matmul import candidate_configs, skinny_matmul
-from dflash_tfm.layers.fused_projections import BLOCKS
-from dflash_tfm.layers.mlp import silu_and_mul
+from dflash_tfm.kernels.linear.fused_gemv import add_norm_gemv
+from dflash_tfm.layers.linear import candidates
 from dflash_tfm.layers.norm import add_rms_norm
 from dflash_tfm.models.presets import QWEN3_6_27B
 
@@ -51,47 +48,29 @@ def main() -> None:
     args = ap.parse_args()
     cfg = ModelConfig.from_dict(QWEN3_6_27B)
     dev, dt = torch.device("cuda"), torch.bfloat16
-    sms = torch.cuda.get_device_properties(dev).multi_processor_count
     print(f"{torch.cuda.get_device_name()}; median ms (do_bench); TB/s = weight bytes / time\n")
-    print("| rows | projection | N x K | separate / cuBLAS ms | best Triton ms | Triton config | best cuBLASLt "
-          "algorithm ms | algorithm | TB/s (best) |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| rows | projection | N x K | separate / cuBLAS ms | best other ms | best other | TB/s (best) |")
+    print("|---|---|---|---|---|---|---|")
     for name, (N, K) in shapes(cfg).items():
         w = torch.randn(N, K, device=dev, dtype=dt) / K**0.5
         gb = w.numel() * 2 / 1e12
         for rows in args.rows:
-            triton_times: dict[str, float] = {}
-            lt_times: dict[str, float] = {}
-            if rows == 1:
-                if name == "mlp down":
-                    gate_up = torch.randn(1, 1, 2 * K, device=dev, dtype=dt)
-                    base = ms(lambda: F.linear(silu_and_mul(gate_up), w))
-                    for label, (bn, bk) in BLOCKS.items():
-                        triton_times[label] = ms(lambda bn=bn, bk=bk: silu_mul_gemv(gate_up, w, bn, bk))
-                elif name in ("attn qkv", "gdn in_proj", "mlp gate_up"):
-                    h, delta, g = (torch.randn(1, 1, K, device=dev, dtype=dt) for _ in range(3))
-                    base = ms(lambda: F.linear(add_rms_norm(h, delta, g, 1e-6, True)[1], w))
-                    for label, (bn, bk) in BLOCKS.items():
-                        triton_times[label] = ms(lambda bn=bn, bk=bk: add_norm_gemv(h, delta, g, 1e-6, True, w, bn, bk))
-                else:
-                    x = torch.randn(1, 1, K, device=dev, dtype=dt)
-                    base = ms(lambda: F.linear(x, w))
+            times: dict[str, float] = {}
+            if rows == 1 and name in ("attn qkv", "gdn in_proj", "mlp gate_up"):
+                h, delta, g = (torch.randn(1, 1, K, device=dev, dtype=dt) for _ in range(3))
+                base = ms(lambda: F.linear(add_rms_norm(h, delta, g, 1e-6, True)[1], w))
+                times["fused add + norm GEMV"] = ms(lambda: add_norm_gemv(h, delta, g, 1e-6, True, w))
             else:
                 x = torch.randn(1, rows, K, device=dev, dtype=dt)
                 base = ms(lambda: F.linear(x, w))
-                for config in candidate_configs(rows, N, K, sms):
+                for label, fn in candidates(rows, w)[1:]:  # all but cuBLAS itself
                     try:
-                        triton_times[str(config)] = ms(lambda c=config: skinny_matmul(x, w, c))
-                    except Exception as e:  # noqa: BLE001 — a config that does not compile is reported, not fatal
-                        print(f"  ({name}, rows {rows}: {config} failed: {type(e).__name__})")
-                lt = cublaslt_algorithms.problem(rows, N, K, dt, dev)
-                for i, label in enumerate(lt.names if lt is not None else []):
-                    lt_times[label] = ms(lambda i=i: lt.run(x, w, i))
-            cells, fastest = [], base
-            for times in (triton_times, lt_times):
-                best = min(times, key=times.get, default=None)
-                cells += [f"{times[best]:.4f}", best] if best else ["—", "—"]
-                fastest = min(fastest, times.get(best, fastest))
+                        times[label] = ms(lambda fn=fn: fn(x, w))
+                    except Exception as e:  # noqa: BLE001 — a candidate that does not compile is reported, not fatal
+                        print(f"  ({name}, rows {rows}: {label} failed: {type(e).__name__})")
+            best = min(times, key=times.get, default=None)
+            cells = [f"{times[best]:.4f}", best] if best else ["—", "—"]
+            fastest = min(base, times.get(best, base))
             print(f"| {rows} | {name} | {N} x {K} | {base:.4f} | {' | '.join(cells)} | {gb / (fastest / 1e3):.2f} |",
                   flush=True)
         del w

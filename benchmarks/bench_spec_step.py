@@ -23,28 +23,21 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.bench_dflash_draft import QWEN3_6_27B_DFLASH
 from benchmarks.kernel_profile import print_phase_tables
 from benchmarks.timing import report_choices, time_ms
+from dflash_tfm import tuning
 from dflash_tfm.config import ModelConfig
 from dflash_tfm.engine.decoder_factory import build_proposer
 from dflash_tfm.engine.model_runner import ModelRunner
 from dflash_tfm.engine.speculative import SpeculativeDecoder
-from dflash_tfm.kernels.gdn.tree_commit import fold_choice
-from dflash_tfm.kernels.tree_growth.weaver_round import publish_choice, rescore_choice
-from dflash_tfm.kernels.tree_growth.weaver_step import rows_matmul_choice
-from dflash_tfm.layers.attention import verify_attention_choice
-from dflash_tfm.layers.gated_deltanet import gdn_verify_path_choice
-from dflash_tfm.layers.linear import projection_choice, skinny_projections
-from dflash_tfm.layers.norm import add_norm_rows_choice
+from dflash_tfm.layers.linear import skinny_projections
 from dflash_tfm.loading.loader import build_model
-from dflash_tfm.models.presets import QWEN3_6_27B
+from dflash_tfm.models.presets import PUBLISHED_WEAVER, QWEN3_6_27B, QWEN3_6_27B_DFLASH
 from dflash_tfm.models.random_init import init_random_
 from dflash_tfm.sampling_params import SamplingParams
-from dflash_tfm.spec.dflash import DFlashDrafter, block_attention_choice
+from dflash_tfm.spec.dflash import DFlashDrafter
 from dflash_tfm.spec.dflash_config import DFlashConfig
 from dflash_tfm.spec.weaver_fixtures import write_random_weaver_checkpoint
-from dflash_tfm.spec.weaver_tree import round_kernel_choice
 from dflash_tfm.speculative_config import SpeculativeConfig
 
 PHASES = ("draft", "tree", "verify", "commit")
@@ -103,6 +96,7 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="kernel tables of each phase, per mode")
     args = ap.parse_args()
     device, dtype = torch.device("cuda"), torch.bfloat16
+    print(tuning.describe_kernel_path(device), flush=True)  # at start: the path a cache read gives this process
     cfg = ModelConfig.from_dict(QWEN3_6_27B)
     max_len = args.context + 2 * args.steps * 16 + 256
     model = init_random_(build_model(cfg, device, dtype, max_positions=max_len + 64))
@@ -122,8 +116,7 @@ def main() -> None:
     results = {"context": args.context, "ar_step_ms": ar_ms, "modes": {}}
     with tempfile.TemporaryDirectory() as tmp:
         weaver_path = Path(tmp) / "weaver.pth"
-        write_random_weaver_checkpoint(weaver_path, cfg, variant=1, d_rank=2048, num_heads=16, mlp_dim=2048,
-                                       num_layers=1, K=block - 1, pool=512)
+        write_random_weaver_checkpoint(weaver_path, cfg, K=block - 1, **PUBLISHED_WEAVER)
         modes = [("DFLASH", 1, 0)] + [("DDTREE", b, 0) for b in args.budgets]
         modes += [("DFLASH_TFM", b, c) for b in args.budgets for c in args.tfm_children_per_node]
         for algo, budget, children in modes:
@@ -153,11 +146,7 @@ def main() -> None:
     for name, r in results["modes"].items():
         print(f"| {name} | " + " | ".join(f"{r.get(p + '_alone', float('nan')):.2f}" for p in ("draft", "tree", "verify"))
               + " |")
-    report_choices(results, projections=projection_choice, weaver_round=round_kernel_choice,
-                   fused_step_row_matmul=rows_matmul_choice, rescore_pool=rescore_choice,
-                   publish_children=publish_choice, draft_attention=block_attention_choice,
-                   gdn_fold=fold_choice, verify_attention=verify_attention_choice,
-                   gdn_verify_path=gdn_verify_path_choice, add_norm_rows=add_norm_rows_choice)
+    report_choices(results)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=2)

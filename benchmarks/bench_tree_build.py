@@ -24,8 +24,7 @@ import torch
 from benchmarks.kernel_profile import print_kernel_table
 from benchmarks.timing import capture, report_choices, time_ms
 from dflash_tfm.config import ModelConfig
-from dflash_tfm.kernels.tree_growth.weaver_round import publish_choice, rescore_choice
-from dflash_tfm.kernels.tree_growth.weaver_step import rows_matmul_choice
+from dflash_tfm.models.presets import PUBLISHED_WEAVER
 from dflash_tfm.spec.chain import build_chain
 from dflash_tfm.spec.ddtree import build_ddtree
 from dflash_tfm.spec.weaver import load_weaver
@@ -56,8 +55,7 @@ def main() -> None:
                                             intermediate_size=17408, num_hidden_layers=1, num_attention_heads=40))
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "weaver.pth"
-        write_random_weaver_checkpoint(path, target_cfg, variant=args.variant, d_rank=2048, num_heads=16,
-                                       mlp_dim=2048, num_layers=1, K=K, pool=512)
+        write_random_weaver_checkpoint(path, target_cfg, K=K, **(PUBLISHED_WEAVER | {"variant": args.variant}))
         weaver = load_weaver(path, target, target_cfg, BLOCK, device, dtype)
 
     root = torch.tensor(1234, device=device)
@@ -87,8 +85,7 @@ def main() -> None:
         width = round_width(budget, children) if children else 0
         rounds = f"{-(-budget // width)} × {width}" if children else "—"
         print(f"| {name} | {budget} | {children or '—'} | {rounds} | {eager:.3f} | {replay} |")
-    report_choices({}, fused_step_row_matmul=rows_matmul_choice, rescore_pool=rescore_choice,
-                   publish_children=publish_choice)  # the tiles the triton_fused builds timed
+    report_choices({})  # the row tiles the triton_fused builds took
     if args.profile:
         budget = max(args.budgets)
         print()

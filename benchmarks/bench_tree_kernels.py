@@ -5,18 +5,17 @@ N = 16, 32, 65, 129 best-first tree tokens, and the fold commit. Each measuremen
 call for all 48 GDN layers, each layer with its own 3 MiB fp32 state (more than L2), so the time has the
 state traffic of a real verify step and no launch overhead; reported as the median µs per layer. The
 ancestor bitsets and the conv's ancestor table are built once per step outside the timed region, as the engine
-does. Then the verify from in_proj's output: the verify inputs alone, inputs + solve, and the one-launch front
-(inputs + Gram tiles) + the split or the serial solve. Also: tree attention (24 q / 4 kv heads, head_dim 256,
+does. Then the verify from in_proj's output: the verify inputs alone, and inputs + solve. Also: tree attention (24 q / 4 kv heads, head_dim 256,
 cache 4096, 16 attention layers) and the tree conv (C = 10240) at N = 65.
 Prints markdown tables; the KERNELS.md target is ≤ 45 µs per GDN layer at N = 65.
 
-``--sweep`` instead times the chunk kernel's tuning options (``gdn_tree_verify`` keyword arguments: solver,
-dot precisions, blocking, warps/stages) at N = 16, 65, 129 in one run, with the max relative error of ``o`` and
+``--sweep`` instead times the chunk kernel's settings (`ChunkSolve`: dot precisions, blocking, warps/stages) at
+N = 16, 65, 129 in one run, with the max relative error of ``o`` and
 of the solved rows ``u`` against the fp32 torch twin, then one config combining the one-off changes that beat
 the base config at N = 65, and prints the best config (fastest at N = 65 within the bf16 tolerance 1e-2).
 About 1–2 minutes on an H200, most of it compiling; ``--budget`` seconds stops starting new configs.
-``--attention-sweep`` times tree attention's tile options (splits, key and row tiles, pipeline stages, a
-tree-only split) at ``--sweep-ns`` and cache ``--lengths``.
+``--attention-sweep`` times tree attention's tile options (splits, key and row tiles, pipeline stages) at
+``--sweep-ns`` and cache ``--lengths``.
 
     python benchmarks/bench_tree_kernels.py [--ns 16 32 65 129] [--gdn-layers 48]
     python -m benchmarks.bench_tree_kernels --sweep [--sweep-ns 16 65 129] [--budget 150] [--configs '{}' ...]
@@ -35,10 +34,10 @@ from triton.testing import do_bench
 from benchmarks.timing import time_graph
 
 from dflash_tfm.kernels import gdn_tree_commit, gdn_tree_verify, tree_attention, tree_causal_conv1d, tree_conv_commit
-from dflash_tfm.kernels.gdn.tree_front import gdn_tree_front
 from dflash_tfm.kernels.gdn.tree_inputs import gdn_tree_inputs
 from dflash_tfm.kernels.gdn.tree_reference import gdn_tree_verify_reference
-from dflash_tfm.spec.tree import ancestor_bitsets, nearest_ancestors, random_parents
+from dflash_tfm.kernels.gdn.tree_verify import ChunkSolve
+from dflash_tfm.tree import ancestor_bitsets, nearest_ancestors, random_parents
 
 HK, HV, DK, DV = 16, 48, 128, 128            # GDN layer
 H, HKV, HEAD_DIM, CACHE = 24, 4, 256, 4096   # gated attention layer
@@ -84,7 +83,7 @@ def bench_gdn(ns: list[int], layers: int) -> None:
 
         def verify(layer: int, kernel: str = "chunk", block: int = 16):
             return gdn_tree_verify(**x, parents=parents, initial_state=states[layer], kernel=kernel,
-                                   ancestors=bits, block_size=block)
+                                   ancestors=bits, solve=ChunkSolve(block_size=block))
 
         chunk = {b: time_graph(lambda layer, b=b: verify(layer, block=b), layers) for b in (16, 32)}
         recurrent = time_graph(lambda layer: verify(layer, "recurrent"), layers)
@@ -98,10 +97,9 @@ def bench_gdn(ns: list[int], layers: int) -> None:
               f"{recurrent / min(chunk.values()):.2f}x | {commit:.1f} | {eager:.1f} | {err:.1e} |")
 
 
-def bench_front(ns: list[int], layers: int) -> None:
-    """A GDN layer's verify from in_proj's output: the one-launch inputs alone and then the solve, against the
-    inputs with the Gram tiles in one launch (`gdn_tree_front`) then the rest of the solve (split or serial), as
-    the model's choice times them."""
+def bench_inputs(ns: list[int], layers: int) -> None:
+    """A GDN layer's verify from in_proj's output, as the model runs it: the one-launch verify inputs alone, and
+    then the solve."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     conv_dim, proj_dim = CONV_CHANNELS, CONV_CHANNELS + HV * DV + 2 * HV
     weight = 0.5 * torch.randn(conv_dim, 4, generator=gen, device="cuda").bfloat16()
@@ -109,52 +107,39 @@ def bench_front(ns: list[int], layers: int) -> None:
     A_log, dt_bias = (torch.randn(HV, generator=gen, device="cuda") for _ in range(2))
     states = [0.5 * torch.randn(1, HV, DK, DV, device="cuda") for _ in range(layers)]
     print(f"\n### GDN verify from in_proj's output, µs per layer ({layers} layers per graph)\n")
-    print("| N | inputs alone | inputs + solve | front + solve | front + serial solve | o rel diff |")
-    print("|---|---|---|---|---|---|")
+    print("| N | inputs alone | inputs + solve |")
+    print("|---|---|---|")
     for n in ns:
         proj = torch.randn(1, n, proj_dim, generator=gen, device="cuda").bfloat16()
         parents, bits, _ = tree(n)
         args = (proj, weight, A_log, dt_bias, parents, window)
         nearest = nearest_ancestors(parents)  # the step's table, as the model passes it
 
-        def separate(layer: int):
+        def inputs_and_solve(layer: int):
             q, k, v, z, beta, g = gdn_tree_inputs(*args, HK, DK, HV, DV, nearest=nearest)
             return gdn_tree_verify(q, k, v, g, beta, parents, states[layer], ancestors=bits)[0]
 
-        def front(layer: int, solve: str = "split"):
-            q, k, v, z, beta, g, gram = gdn_tree_front(*args, bits, HK, DK, HV, DV, nearest=nearest)
-            return gdn_tree_verify(q, k, v, g, beta, parents, states[layer], ancestors=bits, gram=gram,
-                                   solve=solve)[0]
-
-        o_separate = separate(0).float()
-        diff = max(((front(0, solve).float() - o_separate).abs().max() / o_separate.abs().max()).item()
-                   for solve in ("split", "subst"))
         inputs = time_graph(lambda layer: gdn_tree_inputs(*args, HK, DK, HV, DV, nearest=nearest), layers)
-        serial = time_graph(lambda layer: front(layer, "subst"), layers)
-        print(f"| {n} | {inputs:.1f} | {time_graph(separate, layers):.1f} | {time_graph(front, layers):.1f} | "
-              f"{serial:.1f} | {diff:.1e} |", flush=True)
+        print(f"| {n} | {inputs:.1f} | {time_graph(inputs_and_solve, layers):.1f} |", flush=True)
 
 
-SWEEP_BASE = {"solve": "split", "precision": "tf32x3", "block_v": 16, "solve_width": 64}
+SWEEP_BASE = {"precision": "tf32x3", "block_v": 16, "solve_width": 64}
 SWEEP_ONE_OFF = [  # one change each to SWEEP_BASE: the greedy combination adopts those that win at N = 65
     {"solve_width": 16},
     {"solve_width": 128},
     {"num_warps": 2},
     {"block_v": 32},
     {"state_block_v": 32},
-    {"gram_pairs": True},
     {"num_stages": 1},
     {"precision": "tf32"},
     {"solve_precision": "tf32x3"},
     {"block_size": 32},
-    {"fuse_gram": True},
-    {"gram_native": True},
+    {"gram_native": False},
 ]
 SWEEP_OTHERS = [
-    {},                                                  # the default: subst, b16, bv32, ieee
+    {},                                                  # the default
     {"block_v": 16},
-    {"block_v": 16, "precision": "tf32x3"},
-    {"solve": "split", "block_v": 16},                   # split, all fp32 ("ieee") dots
+    {"solve_precision": "ieee"},                         # all fp32 dots but the state products
 ]
 TOL_O = 1e-2  # the bf16-input tolerance of the GPU tests (o is bf16: its rounding alone is ~4e-3)
 TOL_U = 1e-3  # the solved fp32 rows u, which the commit folds into the state: the GPU commit tolerance
@@ -193,7 +178,7 @@ def bench_sweep(ns: list[int], layers: int, budget: float, configs: list[dict] |
             for n, (x, parents, bits, o_ref, u_ref) in cases.items():
                 def verify(layer: int):
                     return gdn_tree_verify(**x, parents=parents, initial_state=states[layer], ancestors=bits,
-                                           **options)
+                                           solve=ChunkSolve(**options))
                 t0 = time.perf_counter()
                 o, ctx = verify(0)
                 torch.cuda.synchronize()
@@ -249,7 +234,7 @@ def bench_sweep(ns: list[int], layers: int, budget: float, configs: list[dict] |
         shown = name
         print(f"\nbest at N={key} with o err ≤ {TOL_O:g} and u err ≤ {tol_u:g}: {name} -> "
               + ", ".join(f"N={n}: {times[n]:.1f} µs" for n in ns)
-              + f" (o err {err_o:.1e}, u err {err_u:.1e}); gdn_tree_verify(..., **{options!r})")
+              + f" (o err {err_o:.1e}, u err {err_u:.1e}); ChunkSolve(**{options!r})")
         for n in ns:
             name_n, r = min(ok.items(), key=lambda item: item[1][1][n])
             print(f"  best at N={n}: {r[1][n]:.1f} µs  {name_n}")
@@ -279,13 +264,12 @@ def bench_attention_and_conv(n: int, attn_layers: int, conv_layers: int) -> None
 
 
 ATTENTION_SWEEP = [dict(num_splits=s, block_n=bn, block_m=bm, num_stages=st)
-                   for s in (2, 4, 8) for bn in (32, 64) for bm in (64, 128) for st in (None, 2)] + [
-                   dict(num_splits=s, block_m=bm, tree_split=True) for s in (4, 8, 16) for bm in (64, 128)]
+                   for s in (2, 4, 8) for bn in (32, 64) for bm in (64, 128) for st in (None, 2)]
 
 
 def bench_attention_sweep(ns: list[int], lengths: list[int], layers: int) -> None:
     """µs per layer of `tree_attention` for each (splits, key tile, row tile, stages) at every N and cache
-    length: the candidates the verify's measured choice could add."""
+    length: the candidates the verify attention's tuned choice could add."""
     caches = [tuple(torch.randn(1, CACHE, HKV, HEAD_DIM, device="cuda", dtype=torch.bfloat16) for _ in range(2))
               for _ in range(layers)]
     cols = [(n, length) for n in ns for length in lengths]
@@ -333,7 +317,7 @@ def main() -> None:
         bench_sweep(args.sweep_ns, args.gdn_layers, args.budget, args.configs)
         return
     bench_gdn(args.ns, args.gdn_layers)
-    bench_front(args.ns, args.gdn_layers)
+    bench_inputs(args.ns, args.gdn_layers)
     bench_attention_and_conv(args.attn_n, args.attn_layers, args.gdn_layers)
 
 

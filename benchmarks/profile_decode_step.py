@@ -19,7 +19,7 @@ from dflash_tfm.layers.linear import skinny_projections
 from dflash_tfm.loading.loader import build_model
 from dflash_tfm.models.presets import QWEN3_6_27B
 from dflash_tfm.models.random_init import init_random_
-from dflash_tfm.spec.tree import TreeSpec, random_parents
+from dflash_tfm.tree import TreeSpec, random_parents
 
 
 def verify_and_commit(model, runner: ModelRunner, nodes: int, context: int) -> Callable[[], None]:

@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import torch
 
-from dflash_tfm.layers.measured_choice import MeasuredChoice
+from dflash_tfm import tuning
 
 
 def time_ms(fn: Callable[[], object], iters: int, warmup: int = 0) -> float:
@@ -67,10 +67,12 @@ def time_graph(fn: Callable[[int], object], layers: int, rep: int = 200) -> floa
     return do_bench(graph.replay, warmup=25, rep=rep, return_mode="median") * 1e3 / layers
 
 
-def report_choices(results: dict, **choices: MeasuredChoice) -> None:
-    """Print what each measured choice decided (the winner against the default or the runner-up, failures) and
-    keep every candidate's time in results["kernel_choices"], so a candidate that lost shows by how much."""
-    results["kernel_choices"] = {name: choice.report() for name, choice in choices.items()}
-    for name, choice in choices.items():
-        lines = choice.describe()
-        print(f"{name} choices timed ({len(lines)}):" + "".join(f"\n  {line}" for line in lines), flush=True)
+def report_choices(results: dict) -> None:
+    """Print the tuned kernel choices of this GPU (each winner against the default or the runner-up, failures) and
+    keep them in results["kernel_choices"] (operator -> shape -> chosen, every candidate's ms), so a candidate that
+    lost shows by how much. Shapes the tuning cache already held were timed when it was made, not in this run."""
+    device = torch.device("cuda")
+    results["kernel_choices"] = tuning.report(device)
+    lines = tuning.describe(device)
+    print(f"{tuning.describe_kernel_path(device)}\ntuned choices ({len(lines)}):" + "".join(f"\n  {line}" for line in lines),
+          flush=True)

@@ -23,9 +23,38 @@ from tqdm import tqdm
 
 from dflash_tfm.bench.datasets import SUBSAMPLE_SEED, prepare_dataset
 from dflash_tfm.engine.decoder_factory import build_proposer
+from dflash_tfm.engine.speculative import Proposer, SpeculativeDecoder
 from dflash_tfm.sampling import make_generator
 from dflash_tfm.sampling_params import SamplingParams
+from dflash_tfm.spec.accept import expected_accepted
 from dflash_tfm.speculative_config import DEFAULT_CHILDREN_PER_NODE, SpeculativeConfig
+
+
+@torch.inference_mode()
+def step_scoring(decoder: SpeculativeDecoder, params: SamplingParams, generator: torch.Generator | None,
+                 proposers: list[Proposer]) -> tuple[list[int], list[float]]:
+    """``decoder.step`` (eager, no graphs, through the decoder's phases), also scoring other tree builders on the
+    same draft: each of ``proposers`` builds and verifies its tree (caches untouched until the commit), and every
+    tree gets the exact expected number of drafts acceptance would take from it (``expected_accepted``). Returns
+    the step's tokens and the expectations, the decoder's own tree first, then those of ``proposers``."""
+    if decoder.length + decoder.max_depth + 1 > decoder.runner.max_len:
+        raise ValueError("step_scoring needs a block of room before the end of the cache")
+    if not params.greedy:
+        decoder._uniforms.uniform_(generator=generator)
+    decoder._draft(decoder.runner.bucket(decoder.length + decoder.max_depth))
+    own, expectations = decoder.proposer, []
+    try:
+        for proposer in [*proposers, own]:  # own last: its verified tree is the one committed
+            decoder.proposer = proposer
+            decoder._tree()
+            decoder._verify()
+            tokens, parents, _ = decoder._tree_nodes
+            expectations.append(float(expected_accepted(
+                decoder._verified[3], tokens, parents, decoder._tree_spec.ancestor_mask()[0], params)))
+    finally:
+        decoder.proposer = own
+    decoder._commit(params)
+    return decoder._take_emitted(), expectations[-1:] + expectations[:-1]
 
 
 def parse_variant(text: str) -> tuple[str, int, int]:
@@ -86,7 +115,7 @@ def main() -> None:
             produced, steps = 1, [[] for _ in names]
             stop = first in engine.eos_token_ids
             while not stop and produced < args.max_new_tokens:
-                out, expectations = engine.decoder.step_scoring(params, generator, others)
+                out, expectations = step_scoring(engine.decoder, params, generator, others)
                 for s, e in zip(steps, expectations):
                     s.append(1.0 + e)
                 produced += len(out)

@@ -1,17 +1,18 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one call on the device machine (H200): GPU tests at real sizes, then
 # the benchmarks. Logs and JSON land in $OUT (default ./out); a short table is printed last.
-#   device run:  bash scripts/gpu_check.sh            (carry: .whl with the fla-core, gguf, nvmath-python wheels)
-# Set GPU_CHECK_PARTS to a subset of "tests kernels tree prefetch ar verify draft spec projections profile
+#   device run:  bash scripts/gpu_check.sh            (carry: .whl with the fla-core and gguf wheels)
+# Set GPU_CHECK_PARTS to a subset of "tests kernels tree ar verify draft spec projections profile
 # profile_verify train" to run only those parts, GPU_TESTS to test paths, VERIFY_NS to the verify step's tree
-# sizes, VERIFY_PREFETCH to its L2 prefetch settings (MIXER:SHORT MiB, optionally :MIXER_LAYOUT:SHORT_LAYOUT;
-# one run each; "auto": none, and the best of the prefetch part per window, alone and together). All parts
-# take longer than one 10-minute device call: e.g. "tests" in one call, "ar verify spec profile" in the next
-# (the first call of each process also times the measured kernel choices).
+# sizes. All parts take longer than one 10-minute device call: e.g. "tests" in one call, "ar verify spec
+# profile" in the next.
+# The tuned kernel choices (dflash_tfm/tuning.py) are timed at first use and kept in $OUT/cache/tuning, so they
+# come back with the logs; carry that folder in (DFLASH_TFM_CACHE) to reuse an earlier call's choices.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}; mkdir -p "$OUT"
-PARTS=" ${GPU_CHECK_PARTS:-tests kernels tree prefetch ar verify draft spec projections profile train} "
+export DFLASH_TFM_CACHE=${DFLASH_TFM_CACHE:-$OUT/cache}
+PARTS=" ${GPU_CHECK_PARTS:-tests kernels tree ar verify draft spec projections profile train} "
 export PYTHONUNBUFFERED=1
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -36,17 +37,9 @@ has tests && run gpu_tests python3 -m pytest -q -m gpu -p no:cacheprovider ${GPU
 has kernels && run bench_gdn_decode python3 -m benchmarks.bench_gdn_decode
 has kernels && run bench_gdn_fused_decode python3 -m benchmarks.bench_gdn_fused_decode
 has tree && run bench_tree_kernels python3 -m benchmarks.bench_tree_kernels
-has prefetch && run bench_l2_prefetch python3 -m benchmarks.bench_l2_prefetch --out "$OUT/l2_prefetch.json"
-has prefetch && run bench_l2_prefetch_ar python3 -m benchmarks.bench_l2_prefetch --rows 1
 has ar && run bench_ar_decode python3 -m benchmarks.bench_ar_decode --out "$OUT/ar_decode.json"
-prefetch_args=(${VERIFY_PREFETCH:+--prefetch $VERIFY_PREFETCH})
-if [ "${VERIFY_PREFETCH:-}" = auto ]; then  # the prefetch part's best setting per window, if it ran
-  prefetch_args=()
-  [ -f "$OUT/l2_prefetch.json" ] && prefetch_args=(--prefetch-from "$OUT/l2_prefetch.json") \
-    || echo "VERIFY_PREFETCH=auto: no $OUT/l2_prefetch.json (run the prefetch part first); current settings"
-fi
 has verify && run bench_verify_step python3 -m benchmarks.bench_verify_step --ns ${VERIFY_NS:-1 16 65 129} \
-  ${prefetch_args[@]+"${prefetch_args[@]}"} --out "$OUT/verify_step.json"
+  --out "$OUT/verify_step.json"
 has draft && run bench_dflash_draft python3 -m benchmarks.bench_dflash_draft --profile
 # The tree build first: it is the shorter of the two "spec" parts, and a call cut by its time limit still
 # returns what ran.

@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
 # Prepare, on this machine (after scripts/setup.sh), everything scripts/train_bundle.sh needs on the device
 # machine that the working tree does not hold: nothing there can be installed or downloaded.
-#   .whl/                 fla-core, gguf and nvmath-python wheels (pip download; the device image has their
-#                         dependencies, cuda-bindings and cuda-core among them)
+#   .whl/                 fla-core and gguf wheels (pip download; the device image has their dependencies)
 #   .stage/smol/part_*    the embedded SmolLM2 GGUF split into parts small enough to ride along with the tree
 #                         (a call carries 64 MiB in all; the tree itself is ~27 MB)
 #   .stage/prompts.jsonl  the training prompt mixture (python -m dflash_tfm.train.prompts), and gzipped
@@ -16,7 +15,7 @@ PART_MIB=${PART_MIB:-32}
 PROMPTS=${PROMPTS:-30000}  # more than the mixture holds (21,574): all of it
 mkdir -p .whl .stage/smol .stage/datasets
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .whl fla-core==0.6.0 gguf==0.19.0 nvmath-python==1.0.1
+  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .whl fla-core==0.6.0 gguf==0.19.0
 gguf=$($PY -c "from dflash_tfm.loading.default_model import default_model_path as p; print(p())")
 rm -f .stage/smol/part_*
 split -b "${PART_MIB}M" "$gguf" .stage/smol/part_

@@ -37,3 +37,14 @@ def test_serve_and_bench_subcommands_delegate_to_their_modules(capsys) -> None:
             main([sub, "--help"])
         assert exc.value.code == 0
         assert marker in capsys.readouterr().out
+
+
+def test_subcommand_without_its_extra_names_the_install(monkeypatch, capsys) -> None:
+    import importlib
+
+    def missing(name: str):
+        raise ModuleNotFoundError("No module named 'fastapi'", name="fastapi")
+
+    monkeypatch.setattr(importlib, "import_module", missing)
+    assert main(["serve", "--port", "1"]) == 2
+    assert "pip install 'dflash-tfm[server]'" in capsys.readouterr().err

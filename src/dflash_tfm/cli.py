@@ -11,14 +11,18 @@ import sys
 
 from dflash_tfm.engine.args import add_engine_args, engine_from_args
 
-# Subcommands implemented by a module's own `main(argv)` (flags as in the original system's tools).
+# Subcommands implemented by a module's own `main(argv)` (flags as in the original system's tools), with the
+# install extra whose packages they need beyond the core.
 DELEGATED = {
-    "serve": ("dflash_tfm.launch_server", "HTTP server (same flags as python -m dflash_tfm.launch_server)"),
-    "bench": ("dflash_tfm.bench.harness", "benchmark a running server (same flags as python -m dflash_tfm.bench_dflash_tfm)"),
-    "gen-data": ("dflash_tfm.train.data", "generate training data: the target's responses to training prompts"),
-    "train-dflash": ("dflash_tfm.train.dflash_trainer", "train a DFlash drafter for a target"),
-    "train-weaver": ("dflash_tfm.train.weaver_trainer", "train a Weaver for a target and its (frozen) drafter"),
-    "demo": ("dflash_tfm.demo", "AR vs DFLASH vs DDTREE vs DFLASH_TFM on held-out prompts: tau, tok/s, speedup"),
+    "serve": ("dflash_tfm.launch_server", "HTTP server (same flags as python -m dflash_tfm.launch_server)", "server"),
+    "bench": ("dflash_tfm.bench.harness", "benchmark a running server (same flags as python -m dflash_tfm.bench_dflash_tfm)",
+              "bench"),
+    "gen-data": ("dflash_tfm.train.data", "generate training data: the target's responses to training prompts", None),
+    "train-dflash": ("dflash_tfm.train.dflash_trainer", "train a DFlash drafter for a target", None),
+    "train-weaver": ("dflash_tfm.train.weaver_trainer", "train a Weaver for a target and its (frozen) drafter", None),
+    "demo": ("dflash_tfm.demo", "AR vs DFLASH vs DDTREE vs DFLASH_TFM on held-out prompts: tau, tok/s, speedup",
+             "bench"),
+    "tune": ("dflash_tfm.tune", "time this GPU's tuned kernel choices for a target into the tuning cache", None),
 }
 
 
@@ -30,6 +34,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         seed=args.seed, stop=args.stop or [],
     )
     engine = engine_from_args(args)
+    print(engine.kernel_path, file=sys.stderr)
     thinking = None if args.reasoning is None else args.reasoning == "on"
     out = engine.generate(args.prompt, params, chat=args.chat, enable_thinking=thinking)
     print(out.text)
@@ -60,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(gen)
     gen.set_defaults(func=cmd_generate)
 
-    for name, (_, help_text) in DELEGATED.items():
+    for name, (_, help_text, _) in DELEGATED.items():
         sub.add_parser(name, help=help_text, add_help=False)
     return parser
 
@@ -69,10 +74,17 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     delegated = DELEGATED.get(argv[0]) if argv else None
     if delegated is not None:  # these subcommands own their flag sets
-        module, _ = delegated
-        return importlib.import_module(module).main(argv[1:]) or 0
+        module, _, extra = delegated
+        try:
+            return importlib.import_module(module).main(argv[1:]) or 0
+        except ModuleNotFoundError as e:
+            if extra is None or (e.name or "").startswith("dflash_tfm"):
+                raise
+            print(f"dflash-tfm {argv[0]}: error: needs the package {e.name!r}: pip install 'dflash-tfm[{extra}]'",
+                  file=sys.stderr)
+            return 2
     args = build_parser().parse_args(argv)
-    from dflash_tfm.loading.errors import CheckpointError
+    from dflash_tfm.errors import CheckpointError
 
     try:
         return args.func(args)

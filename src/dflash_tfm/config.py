@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dflash_tfm.loading.errors import CheckpointError
+from dflash_tfm.errors import CheckpointError
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen3", "qwen3_5", "qwen3_5_text", "qwen3_next")
 FULL_ATTENTION = "full_attention"

@@ -255,7 +255,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """``dflash-tfm demo``. Input and checkpoint errors print one line and return 2."""
     from dflash_tfm import Engine
-    from dflash_tfm.loading.errors import CheckpointError
+    from dflash_tfm.errors import CheckpointError
 
     args = build_parser().parse_args(argv)
     console = Console()
@@ -280,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 bundle, bundle_notes = find_bundle(args.bundle)
                 notes += bundle_notes
-            for note in notes:
+            for note in [engine.kernel_path, *notes]:
                 console.print(note, markup=False, highlight=False)
             cells = run_algorithms(engine, bundle, prompts, max_new_tokens=max_new, temperature=args.temperature,
                                    budget=args.budget, seed=args.seed)

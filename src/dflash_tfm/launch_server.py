@@ -22,7 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
     from dflash_tfm.engine.engine import Engine
-    from dflash_tfm.loading.errors import CheckpointError
+    from dflash_tfm.errors import CheckpointError
     from dflash_tfm.server.app import create_app
     from dflash_tfm.server.http_protocol import protocol_with_header_timeout
 
@@ -32,6 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, CheckpointError, ValueError, NotImplementedError) as e:
         print(f"launch_server: error: {e}", file=sys.stderr)
         return 2
+    logger.info("%s", engine.kernel_path)
     logger.info("serving %s (max_model_len %d, speculative %s) on http://%s:%d; admitting up to %d requests",
                 engine.model_path.name, engine.max_model_len, args.speculative.algorithm or "off (autoregressive)",
                 args.host, args.port, args.max_admitted_requests)

@@ -1,12 +1,12 @@
-"""The one-pass residual add + RMSNorm over rows against its twin, the layers' own `add_rms_norm` (Triton's
-interpreter on the CPU, a verify's 65 rows at 27B width on the GPU)."""
+"""The one-pass residual add + RMSNorm over rows against its twin `add_rms_norm`, what the layers run elsewhere
+(Triton's interpreter on the CPU, a verify's 65 rows at 27B width on the GPU)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from dflash_tfm.kernels.norm.add_rms_norm import add_rms_norm_rows
-from dflash_tfm.layers.norm import add_rms_norm
+from dflash_tfm.kernels.norm.reference import add_rms_norm
 
 from .test_tree_common import rel_err, triton_device  # noqa: F401  (fixture)
 
@@ -24,7 +24,7 @@ def inputs(rows: int, K: int, dtype: torch.dtype, device: str, seed: int = 0) ->
 def test_triton_add_rms_norm_rows_matches_twin(plus_one: bool, dtype: torch.dtype, tol: float, triton_device: str) -> None:
     h, delta, w = inputs(5, 200, dtype, triton_device)  # K not a power of 2: masked tail
     h_new, y = add_rms_norm_rows(h, delta, w, 1e-6, plus_one)
-    h_ref, y_ref = add_rms_norm.__wrapped__(h, delta, w, 1e-6, plus_one)
+    h_ref, y_ref = add_rms_norm(h, delta, w, 1e-6, plus_one)
     assert h_new.dtype == h_ref.dtype and y.dtype == y_ref.dtype and y.shape == y_ref.shape
     assert torch.equal(h_new, h_ref)  # one rounded add, the same on both sides
     assert rel_err(y, y_ref) <= tol
@@ -43,5 +43,5 @@ def test_triton_bad_shapes_are_refused(triton_device: str) -> None:
 def test_gpu_add_rms_norm_rows_27b_verify_shape(plus_one: bool) -> None:
     h, delta, w = inputs(65, 5120, torch.bfloat16, "cuda", seed=1)
     h_new, y = add_rms_norm_rows(h, delta, w, 1e-6, plus_one)
-    h_ref, y_ref = add_rms_norm.__wrapped__(h, delta, w, 1e-6, plus_one)
+    h_ref, y_ref = add_rms_norm(h, delta, w, 1e-6, plus_one)
     assert torch.equal(h_new, h_ref) and rel_err(y, y_ref) <= 8e-3

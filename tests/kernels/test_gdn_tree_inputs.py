@@ -12,7 +12,7 @@ import torch
 from dflash_tfm.kernels import TRITON_INTERPRETED
 from dflash_tfm.kernels.gdn import tree_inputs
 from dflash_tfm.kernels.gdn.tree_inputs import gdn_tree_inputs, gdn_tree_inputs_reference
-from dflash_tfm.spec.tree import random_parents
+from dflash_tfm.tree import random_parents
 
 from .test_tree_common import rel_err, triton_device  # noqa: F401  (fixture)
 

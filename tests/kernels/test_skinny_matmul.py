@@ -9,7 +9,7 @@ import triton
 
 from dflash_tfm.kernels import TRITON_INTERPRETED
 from dflash_tfm.kernels.linear import skinny_matmul as skinny_module
-from dflash_tfm.kernels.linear.skinny_matmul import SkinnyConfig, candidate_configs, skinny_matmul
+from dflash_tfm.kernels.linear.skinny_matmul import SkinnyConfig, skinny_matmul, tile_config
 from dflash_tfm.layers import linear as linear_module
 
 from .test_tree_common import rel_err, triton_device  # noqa: F401  (fixture)
@@ -64,11 +64,20 @@ def test_tma_kernel_compiles_for_hopper() -> None:
     assert kernel.asm["cubin"]
 
 
-def test_candidates_split_k_until_the_gpu_is_full() -> None:
-    """A 5120 x 6144 projection at 65 rows has 80 column tiles of 64: split-K brings it to >= 2 programs per SM."""
-    configs = candidate_configs(65, 5120, 6144, sms=132)
-    assert {c.split_k for c in configs if c.block_n == 64} == {4}
-    assert all(c.split_k == 1 for c in candidate_configs(16, 248320, 5120, sms=132))
+def test_tiles_split_k_until_the_gpu_is_full() -> None:
+    """A 5120 x 17408 projection (the MLP down) at one row has 80 column tiles of 64: split-K brings it to >= 2
+    programs per SM, with 4 pipeline stages; the lm_head has tiles enough without."""
+    assert tile_config(1, 5120, 17408, 64, 128, sms=132, tma=True) == SkinnyConfig(64, 128, 4, 4, 4, tma=True)
+    assert tile_config(16, 248320, 5120, 128, 128, sms=132, tma=False).split_k == 1
+
+
+def test_projection_candidates_follow_the_row_count() -> None:
+    """Skinny tiles up to 16 rows, two cuBLAS column parts for tree verify's rows and wide weights."""
+    names = lambda rows, n: [name for name, _ in linear_module.candidates(rows, torch.empty(n, 8))]  # noqa: E731
+    assert names(1, 17408) == ["cublas", "cublaslt", *linear_module.SKINNY]
+    assert names(65, 34816) == ["cublas", "cublaslt", "cublas/2"]
+    assert names(65, 5120) == ["cublas", "cublaslt"]
+    assert set(names(16, 34816) + names(65, 34816)) == set(linear_module.PROJECTION.candidates)
 
 
 def test_dispatch_runs_linear_off_cuda_and_rejects_a_width_mismatch() -> None:
@@ -91,8 +100,8 @@ def test_cublas_in_parts_equals_one_gemm(parts: int) -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows", [1, 16, 65])
 def test_gpu_dispatch_matches_cublas_27b_shapes(rows: int) -> None:
-    """Qwen3.6-27B projections (bf16): whichever kernel the timing picks agrees with cuBLAS to bf16 rounding, and
-    so do the cuBLASLt and the first Triton candidates themselves (pointer and TMA loads)."""
+    """Qwen3.6-27B projections (bf16): whichever kernel the tuning picks agrees with cuBLAS to bf16 rounding, and
+    so does every candidate itself."""
     for N, K in [(34816, 5120), (5120, 17408), (5120, 6144), (12288 + 2 * 1024 + 2 * 48, 5120)]:
         x = torch.randn(1, rows, K, device="cuda", dtype=torch.bfloat16)
         w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) / K**0.5
@@ -100,13 +109,11 @@ def test_gpu_dispatch_matches_cublas_27b_shapes(rows: int) -> None:
         with linear_module.skinny_projections():
             assert rel_err(linear_module.linear(x, w), ref) <= 1e-2
         before = torch.backends.cuda.preferred_blas_library()
-        assert rel_err(linear_module.cublaslt_linear(x, w), ref) <= 1e-2
-        assert torch.backends.cuda.preferred_blas_library() == before  # the process-wide preference is restored
+        for name, fn in linear_module.candidates(rows, w):
+            assert rel_err(fn(x, w), ref) <= 1e-2, name
+        assert torch.backends.cuda.preferred_blas_library() == before  # cuBLASLt's process-wide preference restored
         if N % 32 == 0:
             assert rel_err(linear_module.cublas_in_parts(x, w, 4), ref) <= 1e-2
-        configs = candidate_configs(rows, N, K, sms=132)
-        for config in configs[:2] + [c for c in configs if c.tma][:2]:
-            assert rel_err(skinny_matmul(x, w, config), ref) <= 1e-2
 
 
 @pytest.mark.gpu
@@ -117,7 +124,7 @@ def test_gpu_verify_with_skinny_projections_matches_cublas_and_captures() -> Non
     from dflash_tfm.engine.model_runner import ModelRunner
     from dflash_tfm.loading.loader import build_model
     from dflash_tfm.models.random_init import init_random_
-    from dflash_tfm.spec.tree import TreeSpec, random_parents
+    from dflash_tfm.tree import TreeSpec, random_parents
 
     cfg = ModelConfig.from_dict(dict(model_type="llama", vocab_size=4096, hidden_size=2048, intermediate_size=4096,
                                      num_hidden_layers=2, num_attention_heads=16, num_key_value_heads=4, head_dim=128,

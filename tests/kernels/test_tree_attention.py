@@ -10,7 +10,7 @@ import torch
 
 from dflash_tfm.kernels import TRITON_INTERPRETED, compact_accepted_kv, tree_attention
 from dflash_tfm.kernels.attention.reference import tree_attention_reference
-from dflash_tfm.spec.tree import TREE_SHAPES, ancestor_bitsets, random_parents
+from dflash_tfm.tree import TREE_SHAPES, ancestor_bitsets, random_parents
 
 from .test_tree_common import rel_err, root_path, triton_device  # noqa: F401  (fixture)
 
@@ -87,38 +87,22 @@ def test_triton_row_tiles_match_path_attention(block_m: int, num_stages: int | N
     assert rel_err(o, path_attention(x, parents, lens, 32**-0.5)) <= 1e-5
 
 
-@pytest.mark.parametrize("splits", [1, 2, 4])
-def test_triton_tree_only_split_matches_path_attention(splits: int, triton_device: str) -> None:
-    """``tree_split``: the tree keys as one more split (3 and 5 parts to merge: not a power of two), over a
-    cache split into slices that are partly empty (length 5) or wholly empty (0); with one cache split it is
-    the plain kernel."""
-    x, parents = make_case(3, 20, 6, 2, 32, 64, "random", triton_device)
-    lens = [64, 5, 0]
-    o = tree_attention(**x, cache_len=torch.tensor(lens, device=triton_device), num_splits=splits, tree_split=True)
-    assert rel_err(o, path_attention(x, parents, lens, 32**-0.5)) <= 1e-5
-
-
-@pytest.mark.parametrize("name", [
-    "tree_kernel", "tree_kernel s1", "tree_kernel s4 bn64", "tree_kernel s2 bn64 bm128 st2",
-    "tree_kernel s4 bm128 ts"])
+@pytest.mark.parametrize("name", ["tree_kernel", "tree_kernel s16", "tree_kernel s4 bn64", "tree_kernel s2 bn64",
+                                  "tree_kernel s8 bm128", "tree_kernel s4 bm128"])
 def test_triton_verify_attention_candidates_match_path_attention(name: str, triton_device: str) -> None:
-    """Each candidate the verify's measured choice may pick (forced by name) attends over the caller's lengths,
-    not the length the candidates are timed at."""
+    """Each candidate the verify's tuned choice may take (forced by name) attends over the caller's lengths, not
+    the length the candidates are timed at."""
     from dflash_tfm.layers import attention
 
     x, parents = make_case(1, 9, 6, 2, 32, 80, "best_first", triton_device)
-    key = (*x["q"].shape, 80, 2, x["q"].dtype, False)
-    attention.verify_attention_choice.choices[key] = name
-    try:
+    with attention.VERIFY_ATTENTION.forced(name):
         o = attention.verify_attention(x["q"], x["k_tree"], x["v_tree"], x["k_cache"], x["v_cache"],
                                        torch.tensor([61], device=triton_device), x["ancestor_bitsets"], 32**-0.5)
-    finally:
-        del attention.verify_attention_choice.choices[key]
     assert rel_err(o, path_attention(x, parents, [61], 32**-0.5)) <= 1e-5
 
 
-@pytest.mark.parametrize("splits, tree_split", [(1, False), (4, False), (2, True)])
-def test_triton_output_gate_matches_gated_path_attention(splits: int, tree_split: bool, triton_device: str) -> None:
+@pytest.mark.parametrize("splits", [1, 2, 4])
+def test_triton_output_gate_matches_gated_path_attention(splits: int, triton_device: str) -> None:
     """A gated layer's o · sigmoid(gate), with the gate a strided view (the second half of each head's q
     projection), applied by the attention kernel (one split) or by the merge (several): the oracle times the
     gate, and the twin."""
@@ -127,7 +111,7 @@ def test_triton_output_gate_matches_gated_path_attention(splits: int, tree_split
     gate = q_and_gate[..., 32:]
     lens = [40, 7]
     cache_len = torch.tensor(lens, device=triton_device)
-    o = tree_attention(**x, cache_len=cache_len, num_splits=splits, tree_split=tree_split, gate=gate)
+    o = tree_attention(**x, cache_len=cache_len, num_splits=splits, gate=gate)
     oracle = path_attention(x, parents, lens, 32**-0.5) * torch.sigmoid(gate.cpu().double())
     assert o.shape == x["q"].shape and rel_err(o, oracle) <= 1e-5
     assert rel_err(o, tree_attention_reference(**x, cache_len=cache_len, gate=gate)) <= 1e-5
@@ -182,12 +166,14 @@ def test_validation_errors() -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("N", [16, 65, 129])
 def test_gpu_matches_twin_27b_shapes(N: int) -> None:
-    """Qwen3.6-27B attention: 24 query heads, 4 kv heads, head_dim 256, cache 4096, bf16; default tiles,
-    128-row tiles with 2 pipeline stages, and 8 cache splits with a tree-only split; and the output gate."""
+    """Qwen3.6-27B attention: 24 query heads, 4 kv heads, head_dim 256, cache 4096, bf16; default tiles, every
+    tile of the verify's tuned choice, and 128-row tiles with 2 pipeline stages; and the output gate."""
+    from dflash_tfm.layers.attention import VERIFY_TILES
+
     x, _ = make_case(1, N, 24, 4, 256, 4096, "best_first", "cuda", torch.bfloat16)
     for cache_len in (4000, torch.tensor([4096], device="cuda"), 0):
         ref = tree_attention_reference(**x, cache_len=cache_len)
-        for options in ({}, {"block_m": 128, "num_stages": 2, "num_splits": 4}, {"num_splits": 8, "tree_split": True}):
+        for options in ({}, *VERIFY_TILES.values(), {"block_m": 128, "num_stages": 2, "num_splits": 4}):
             assert rel_err(tree_attention(**x, cache_len=cache_len, **options), ref) <= 2e-2
     gate = torch.randn(1, N, 24, 512, device="cuda", dtype=torch.bfloat16)[..., 256:]  # Qwen3.6's gated q rows
     for splits in (1, 4):
@@ -197,9 +183,9 @@ def test_gpu_matches_twin_27b_shapes(N: int) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("batch", [1, 3])
-def test_gpu_decode_attention_both_implementations_agree(batch: int) -> None:
+def test_gpu_decode_attention_matches_sdpa(batch: int) -> None:
     """Decode attention at Qwen3.6-27B's shapes (24 query / 4 kv heads, d 256) over a 2048-slot bucket: the
-    tree-attention kernel (token as a one-node tree) and masked SDPA give the same output, whichever is chosen."""
+    tree-attention kernel (token as a one-node tree, 32 cache splits) gives masked SDPA's output."""
     from dflash_tfm.layers import attention
 
     gen = torch.Generator(device="cuda").manual_seed(batch)
@@ -209,43 +195,34 @@ def test_gpu_decode_attention_both_implementations_agree(batch: int) -> None:
     positions = torch.tensor([[1500 - 7 * b] for b in range(batch)], device="cuda")
     rows = torch.arange(batch, device="cuda")
     k, v = k_cache[rows, positions[:, 0]].unsqueeze(1), v_cache[rows, positions[:, 0]].unsqueeze(1)
-    key = (*q.shape, 2048, 4, q.dtype)
-    outputs = {}
-    for name in ("sdpa", "tree_kernel", "tree_kernel s4", "tree_kernel s64"):
-        attention.decode_attention_choice.choices[key] = name
-        outputs[name] = attention.decode_attention(q, k, v, k_cache, v_cache, positions, 256**-0.5)
-    del attention.decode_attention_choice.choices[key]
-    for name in ("tree_kernel", "tree_kernel s4", "tree_kernel s64"):
-        assert rel_err(outputs[name], outputs["sdpa"]) <= 1e-2, name
+    got = attention.decode_attention(q, k, v, k_cache, v_cache, positions, 256**-0.5)
+    expected = attention.causal_cache_attention(q, k_cache, v_cache, positions, 256**-0.5)
+    assert rel_err(got, expected) <= 1e-2
 
 
-@pytest.mark.parametrize("name", ["tree_kernel", "tree_kernel s4"])
-def test_triton_decode_attention_choices_equal_sdpa(name: str, triton_device: str) -> None:
-    """Each decode-attention candidate the measured choice may pick (by name, a fixed split count parsed from
-    it) gives masked SDPA's output over a bucket longer than the keys in use."""
+@pytest.mark.parametrize("bucket", [64, 256])
+def test_triton_decode_attention_equals_sdpa(bucket: int, triton_device: str) -> None:
+    """Decode attention (the tree kernel, in as many cache splits as the bucket allows) gives masked SDPA's
+    output over a bucket longer than the keys in use."""
     from dflash_tfm.layers import attention
 
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(2, 1, 6, 32, generator=gen).to(triton_device)
-    k_cache, v_cache = (torch.randn(2, 256, 2, 32, generator=gen).to(triton_device) for _ in range(2))
-    positions = torch.tensor([[200], [37]], device=triton_device)
+    k_cache, v_cache = (torch.randn(2, bucket, 2, 32, generator=gen).to(triton_device) for _ in range(2))
+    positions = torch.tensor([[bucket - 56], [37]], device=triton_device)
     rows = torch.arange(2, device=triton_device)
     k, v = k_cache[rows, positions[:, 0]].unsqueeze(1), v_cache[rows, positions[:, 0]].unsqueeze(1)
     expected = attention.causal_cache_attention(q, k_cache, v_cache, positions, 32**-0.5)
-    key = (*q.shape, 256, 2, q.dtype)
-    attention.decode_attention_choice.choices[key] = name
-    try:
-        got = attention.decode_attention(q, k, v, k_cache, v_cache, positions, 32**-0.5)
-    finally:
-        del attention.decode_attention_choice.choices[key]
+    got = attention.decode_attention(q, k, v, k_cache, v_cache, positions, 32**-0.5)
     assert rel_err(got, expected) <= 1e-4
 
 
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("name", ["sdpa", "tree_kernel"])
-def test_triton_drafter_block_attention_choices_agree(name: str, causal: bool, triton_device: str) -> None:
+@pytest.mark.parametrize("devices", [(), ("cpu",)], ids=["sdpa", "tree_kernel"])
+def test_triton_drafter_block_attention_paths_agree(devices: tuple, causal: bool, triton_device: str,
+                                                    monkeypatch) -> None:
     """The drafter's block attention with no window in the way (the context before the block + the block, all of
-    it or causally) through either candidate of `block_attention` equals plain attention over those keys."""
+    it or causally) through either path of `block_attention` equals plain attention over those keys."""
     from dflash_tfm.spec import dflash
 
     gen = torch.Generator().manual_seed(1)
@@ -262,10 +239,6 @@ def test_triton_drafter_block_attention_choices_agree(name: str, causal: bool, t
     if causal:  # block query i sees the context and block keys 0 .. i
         scores = scores.masked_fill(torch.arange(L + B, device=triton_device) > positions[0, :, None, None], float("-inf"))
     expected = torch.einsum("qhk,khd->qhd", scores.softmax(-1), values)
-    key = (*q.shape, *k_cache.shape[2:], kv_len, causal, q.dtype, q.device)
-    dflash.block_attention_choice.choices[key] = name
-    try:
-        got = dflash.block_attention(q, k, v, k_cache, v_cache, positions, kv_len, mask, D**-0.5, causal)
-    finally:
-        del dflash.block_attention_choice.choices[key]
+    monkeypatch.setattr(dflash, "TREE_KERNEL_DEVICES", devices)
+    got = dflash.block_attention(q, k, v, k_cache, v_cache, positions, kv_len, mask, D**-0.5, causal)
     assert rel_err(got.view(B, Hq, D), expected) <= 1e-4

@@ -64,16 +64,3 @@ def accepted_mask(parents: torch.Tensor, nodes: list[int]) -> torch.Tensor:
             mask[b, root_path(parents[b], node)] = True
     return mask
 
-
-class Always(dict):
-    """A choice table that answers `tile` for every key: forces one tile where the choice would time them."""
-
-    def __init__(self, tile: str) -> None:
-        super().__init__()
-        self.tile = tile
-
-    def __contains__(self, key: object) -> bool:
-        return True
-
-    def __getitem__(self, key: object) -> str:
-        return self.tile

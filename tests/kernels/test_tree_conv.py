@@ -13,7 +13,7 @@ import torch
 
 from dflash_tfm.kernels import TRITON_INTERPRETED, tree_causal_conv1d, tree_conv_commit
 from dflash_tfm.kernels.conv.reference import tree_causal_conv1d_reference, tree_conv_commit_reference
-from dflash_tfm.spec.tree import TREE_SHAPES, nearest_ancestors, random_parents
+from dflash_tfm.tree import TREE_SHAPES, nearest_ancestors, random_parents
 
 from .test_tree_common import accepted_mask, rel_err, root_path, triton_device  # noqa: F401  (fixture)
 

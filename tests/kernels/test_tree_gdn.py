@@ -19,12 +19,12 @@ from dflash_tfm.kernels.gdn.tree_reference import (
     gdn_tree_commit_reference,
     gdn_tree_verify_reference,
 )
-from dflash_tfm.spec.tree import TREE_SHAPES, ancestor_bitsets, random_parents
+from dflash_tfm.tree import TREE_SHAPES, ancestor_bitsets, random_parents
 
 from dflash_tfm.kernels.gdn import tree_commit
-from dflash_tfm.kernels.gdn.tree_verify import TF32_SOLVE_MIN_NODES
+from dflash_tfm.kernels.gdn.tree_verify import TF32_SOLVE_MIN_NODES, ChunkSolve
 
-from .test_tree_common import Always, accepted_mask, rel_err, triton_device  # noqa: F401  (fixture)
+from .test_tree_common import accepted_mask, rel_err, triton_device  # noqa: F401  (fixture)
 
 TOL = 1e-4
 
@@ -50,13 +50,14 @@ def trees(B: int, N: int, shape: str, seed: int = 0) -> torch.Tensor:
 
 
 def check_against_oracle(x: dict, parents: torch.Tensor, kernel: str | None, tol: float = TOL, **kw) -> None:
-    """Outputs of all nodes, commit after a path to a random node (and to nothing), S0 untouched."""
+    """Outputs of all nodes, commit after a path to a random node (and to nothing), S0 untouched; ``kw``: the chunk
+    kernel's `ChunkSolve` settings."""
     S0 = x["initial_state"].clone()
     if kernel is None:
         o, ctx = gdn_tree_verify_reference(**x, parents=parents)
         commit = gdn_tree_commit_reference
     else:
-        o, ctx = gdn_tree_verify(**x, parents=parents.to(x["q"].device), kernel=kernel, **kw)
+        o, ctx = gdn_tree_verify(**x, parents=parents.to(x["q"].device), kernel=kernel, solve=ChunkSolve(**kw))
         commit = gdn_tree_commit
     o_ref, states = gdn_path_recurrence(**x, parents=parents)
     assert o.shape == o_ref.shape and o.dtype == x["v"].dtype
@@ -135,18 +136,11 @@ def test_input_validation() -> None:
         gdn_tree_verify(**{**x, "g": x["g"][..., :2]}, parents=parents)
     with pytest.raises(ValueError, match="kernel"):
         gdn_tree_verify(**x, parents=parents, kernel="fused")
-    with pytest.raises(ValueError, match="block_size"):
-        gdn_tree_verify(**x, parents=parents, block_size=8)
-    with pytest.raises(ValueError, match="solve"):
-        gdn_tree_verify(**x, parents=parents, solve="dense")
-    with pytest.raises(ValueError, match="precision"):
-        gdn_tree_verify(**x, parents=parents, precision="bf16")
-    with pytest.raises(ValueError, match="block_v"):
-        gdn_tree_verify(**x, parents=parents, block_v=8)
-    with pytest.raises(ValueError, match="solve_width"):
-        gdn_tree_verify(**x, parents=parents, block_size=32, solve_width=16)
-    with pytest.raises(ValueError, match="fuse_gram"):
-        gdn_tree_verify(**x, parents=parents, solve="subst", fuse_gram=True)
+    for bad, match in (({"block_size": 8}, "block_size"), ({"precision": "bf16"}, "precision"),
+                       ({"block_v": 8}, "block_v"), ({"state_block_v": 8}, "state_block_v"),
+                       ({"block_size": 32, "solve_width": 16}, "solve_width")):
+        with pytest.raises(ValueError, match=match):
+            gdn_tree_verify(**x, parents=parents, solve=ChunkSolve(**bad))
 
 
 # ---- Triton (interpreter on the CPU, compiled on a GPU) --------------------------------------------
@@ -166,31 +160,26 @@ def test_triton_chunk_block_edges_batch_and_dims(N: int, block_size: int, triton
     check_against_oracle(x, parents, kernel="chunk", block_size=block_size)
 
 
-# Tuning options of the chunk kernel (gdn_tree_verify's keyword-only arguments). Under the interpreter
-# "tf32"/"tf32x3" run as fp32; on a GPU "tf32" rounds the inputs to 10 mantissa bits.
+# `ChunkSolve` settings of the chunk kernel. Under the interpreter "tf32"/"tf32x3" run as fp32; on a GPU "tf32"
+# rounds the inputs to 10 mantissa bits.
 CHUNK_OPTIONS = [
-    (33, {"solve": "split"}),
-    (70, {"solve": "split", "gram_pairs": False, "state_block_v": 16}),  # row-block Gram; 3 dv programs per row
-    (70, {"solve": "split", "solve_width": 64, "gram_pairs": True, "num_stages": 1, "precision": "tf32x3"}),
-    (21, {"solve": "split", "block_size": 32, "state_block_v": 32, "block_v": 64, "num_warps": 2}),
-    (40, {"solve": "split", "block_size": 32, "solve_width": 64, "block_v": 16, "precision": "tf32",
-          "solve_precision": "tf32x3"}),
-    (1, {"solve": "split", "solve_width": 32}),
-    (70, {"solve": "split", "fuse_gram": True, "state_block_v": 32, "block_v": 32}),
-    (40, {"solve": "split", "fuse_gram": True, "block_size": 32, "solve_width": 64, "precision": "tf32x3"}),
-    (16, {"solve": "split", "fuse_gram": True}),
-    (40, {"gram_pairs": True, "precision": "tf32x3", "block_v": 16}),
+    (33, {}),
+    (70, {"state_block_v": 16}),  # 3 dv programs per row
+    (70, {"solve_width": 64, "num_stages": 1, "precision": "tf32x3"}),
+    (21, {"block_size": 32, "state_block_v": 32, "block_v": 64, "num_warps": 2}),
+    (40, {"block_size": 32, "solve_width": 64, "block_v": 16, "precision": "tf32", "solve_precision": "tf32x3"}),
+    (1, {"solve_width": 32}),
+    (70, {"state_block_v": 32, "block_v": 32}),
+    (40, {"precision": "tf32x3", "block_v": 16}),
     (40, {"block_size": 32, "block_v": 64, "num_warps": 4, "num_stages": 1, "solve_precision": "tf32x3"}),
-    (70, {"gram_native": True, "gram_pairs": False}),  # fp32 inputs here: the flag must leave them at fp32
-    (70, {"solve": "subst"}),  # the serial solver: the whole substitution in one launch after the Gram tiles
-    (21, {"solve": "subst", "block_size": 32, "block_v": 16, "solve_precision": "tf32x3"}),
+    (70, {"gram_native": True}),  # fp32 inputs here: the flag must leave them at fp32
 ]
 
 
-@pytest.mark.parametrize("N, options", CHUNK_OPTIONS, ids=[f"{n}-{'-'.join(map(str, o.values()))}"
+@pytest.mark.parametrize("N, options", CHUNK_OPTIONS, ids=[f"{n}-{'-'.join(map(str, o.values())) or 'default'}"
                                                             for n, o in CHUNK_OPTIONS])
 def test_triton_chunk_options_match_path_recurrence(N: int, options: dict, triton_device: str) -> None:
-    """Every solver / precision / blocking option: two trees in a batch, dv ≠ dk with partial dv blocks."""
+    """Every precision / blocking setting: two trees in a batch, dv ≠ dk with partial dv blocks."""
     parents = torch.stack([random_parents(N, "best_first", seed=1), random_parents(N, "random", seed=2)])
     x = make_inputs(2, N, 1, 3, 16, 48, seed=N, device=triton_device)
     tf32 = triton_device == "cuda" and "tf32" in (options.get("precision"), options.get("solve_precision"))
@@ -246,15 +235,11 @@ def test_gpu_matches_twin_27b_shapes(N: int, kernel: str) -> None:
 
 
 GPU_OPTIONS = [
-    {"solve": "split"},
-    {"solve": "split", "precision": "tf32x3", "solve_width": 64},
-    {"solve": "split", "precision": "tf32", "solve_precision": "tf32x3", "gram_pairs": True, "num_warps": 2},
-    {"solve": "split", "precision": "tf32x3", "fuse_gram": True, "solve_width": 64},
-    {"solve": "split", "precision": "tf32x3", "fuse_gram": True, "block_size": 32, "num_stages": 1},
+    {"precision": "tf32x3", "solve_width": 64},
+    {"precision": "tf32", "solve_precision": "tf32x3", "num_warps": 2},
+    {"precision": "tf32x3", "block_size": 32, "num_stages": 1},
     {"precision": "tf32x3", "block_v": 16},
-    {"gram_native": True},
-    {"gram_native": True, "gram_pairs": False},
-    {"solve": "subst"},
+    {"gram_native": False},
 ]
 
 
@@ -262,9 +247,9 @@ GPU_OPTIONS = [
 @pytest.mark.parametrize("options", GPU_OPTIONS, ids=lambda o: "-".join(map(str, o.values())))
 @pytest.mark.parametrize("N", [16, 65, 129])
 def test_gpu_options_match_twin_27b_shapes(N: int, options: dict) -> None:
-    """The tuning options at Qwen3.6-27B shapes, within the bf16-input tolerance of the default path."""
+    """The `ChunkSolve` settings at Qwen3.6-27B shapes, within the bf16-input tolerance of the default path."""
     x, parents = gpu_case(N)
-    o, ctx = gdn_tree_verify(**x, parents=parents, **options)
+    o, ctx = gdn_tree_verify(**x, parents=parents, solve=ChunkSolve(**options))
     o_ref, ctx_ref = gdn_tree_verify_reference(**x, parents=parents)
     assert rel_err(o, o_ref) <= 1e-2
     acc = accepted_mask(parents.cpu(), [N - 1]).cuda()
@@ -274,18 +259,18 @@ def test_gpu_options_match_twin_27b_shapes(N: int, options: dict) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("options", [{}, {"solve": "split", "precision": "tf32x3"}], ids=["default", "split"])
+@pytest.mark.parametrize("options", [{}, {"precision": "tf32x3"}], ids=["default", "tf32x3"])
 def test_gpu_cuda_graph_replay(options: dict) -> None:
     """Verify + commit are capturable (no host sync) and replay to the same result."""
     x, parents = gpu_case(65)
     bits = ancestor_bitsets(parents)
     acc = accepted_mask(parents.cpu(), [64]).cuda()
-    o_eager, ctx = gdn_tree_verify(**x, parents=parents, ancestors=bits, **options)
+    o_eager, ctx = gdn_tree_verify(**x, parents=parents, ancestors=bits, solve=ChunkSolve(**options))
     S_eager = gdn_tree_commit(ctx, acc)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        o, ctx = gdn_tree_verify(**x, parents=parents, ancestors=bits, **options)
+        o, ctx = gdn_tree_verify(**x, parents=parents, ancestors=bits, solve=ChunkSolve(**options))
         S = gdn_tree_commit(ctx, acc)
     graph.replay()
     torch.cuda.synchronize()
@@ -331,17 +316,15 @@ def test_fold_kernel_compiles_for_hopper() -> None:
     f32 = "*fp32"
     signature = dict(k="*bf16", u=f32, G=f32, accepted="*u8", S0=f32, out=f32, N="i32", HK="i32", R="i32",
                      PATHS="i32", sk_b="i32", sk_n="i32", sk_h="i32", ss_b="i32", ss_h="i32", ss_k="i32")
-    for BV, warps in tree_commit.FOLD_TILES.values():
-        constants = dict(DK=128, DV=128, BK=128, BV=BV, BP=16, NPOW=128)
-        source = ASTSource(fn=_gdn_tree_fold_kernel, signature=signature | dict.fromkeys(constants, "constexpr"),
-                           constexprs=constants)
-        assert triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps}).asm["cubin"]
+    constants = dict(DK=128, DV=128, BK=128, BV=tree_commit.FOLD_BLOCK_V, BP=16, NPOW=128)
+    source = ASTSource(fn=_gdn_tree_fold_kernel, signature=signature | dict.fromkeys(constants, "constexpr"),
+                       constexprs=constants)
+    options = {"num_warps": tree_commit.FOLD_WARPS}
+    assert triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm["cubin"]
 
 
-@pytest.mark.parametrize("tile", list(tree_commit.FOLD_TILES))
-def test_triton_every_fold_tile_matches_twin(tile: str, triton_device: str, monkeypatch) -> None:
-    """Each timed launch shape of the fold (forced), dv = 48 (partial blocks) and a path longer than one gather."""
-    monkeypatch.setattr(tree_commit.fold_choice, "choices", Always(tile))
+def test_triton_fold_matches_twin_over_partial_blocks(triton_device: str) -> None:
+    """dv = 48 (a partial dv block) and a path longer than one gather."""
     x = make_inputs(2, 40, 1, 3, 16, 48, seed=31, device=triton_device)
     parents = torch.stack([random_parents(40, "chain", seed=1), random_parents(40, "random", seed=2)])
     _, ctx = gdn_tree_verify(**x, parents=parents.to(triton_device))
@@ -350,9 +333,7 @@ def test_triton_every_fold_tile_matches_twin(tile: str, triton_device: str, monk
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tile", list(tree_commit.FOLD_TILES))
-def test_gpu_every_fold_tile_matches_twin_27b_shapes(tile: str, monkeypatch) -> None:
-    monkeypatch.setattr(tree_commit.fold_choice, "choices", Always(tile))
+def test_gpu_fold_matches_twin_27b_shapes() -> None:
     x, parents = gpu_case(65)
     _, ctx = gdn_tree_verify(**x, parents=parents)
     acc = accepted_mask(parents.cpu(), [64]).cuda()

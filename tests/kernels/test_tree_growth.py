@@ -8,12 +8,11 @@ import torch
 from dflash_tfm.kernels.tree_growth import reference, weaver_round
 from dflash_tfm.spec.weaver import load_weaver
 from dflash_tfm.spec.weaver_fixtures import write_random_weaver_checkpoint
-from dflash_tfm.kernels.tree_growth.weaver_step import weaver_step_rows
 from dflash_tfm.spec import weaver_tree
 from dflash_tfm.spec.weaver_tree import build_weaver_tree
 
 from ..spec.test_weaver import BLOCK, HIDDEN, K, VOCAB, tiny_target
-from .test_tree_common import Always, rel_err, triton_device  # noqa: F401  (fixture)
+from .test_tree_common import rel_err, triton_device  # noqa: F401  (fixture)
 
 
 def distinct_ids(rows: int, pool: int, vocab: int, gen: torch.Generator) -> torch.Tensor:
@@ -28,29 +27,27 @@ def round_state(n: int, depth_max: int, seed: int, device: str) -> dict[str, tor
     return {"depths": depths.to(device), "scores": (-torch.rand(n, generator=gen) * 5).to(device)}
 
 
-@pytest.mark.parametrize("tile", list(weaver_round.RESCORE_TILES))
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-def test_triton_rescore_pool_matches_twin(dtype: torch.dtype, tol: float, tile: str, triton_device: str,
-                                          monkeypatch) -> None:
-    monkeypatch.setattr(weaver_round.rescore_choice, "choices", Always(tile))
+def test_triton_rescore_pool_matches_twin(dtype: torch.dtype, tol: float, triton_device: str) -> None:
     gen = torch.Generator().manual_seed(0)
     V, D, Kd, P, n = 300, 200, 6, 40, 20  # D and P not multiples of the blocks
     w_res = torch.randn(V, D, generator=gen).to(triton_device, dtype)
-    query = torch.randn(5, D, generator=gen).to(triton_device, dtype)
+    rows = torch.randn(5, D, generator=gen).to(triton_device, dtype)
+    norm = (1 + 0.1 * torch.randn(D, generator=gen)).to(triton_device, dtype), \
+        (0.1 * torch.randn(D, generator=gen)).to(triton_device, dtype), 1e-6
     pool_ids = distinct_ids(Kd, P, V, gen).to(triton_device)
     pool_logits = torch.randn(Kd, P, generator=gen).to(triton_device)
     state = round_state(n, Kd, seed=1, device=triton_device)
     nodes = torch.arange(1, 6, device=triton_device)  # slot 2 sits at depth K: its pool row is clamped
-    got = weaver_round.rescore_pool(w_res, query, pool_ids, pool_logits, state["depths"], nodes)
-    want = reference.rescore_pool_reference(w_res, query, pool_ids, pool_logits, state["depths"], nodes)
+    got = weaver_round.rescore_pool(w_res, rows, pool_ids, pool_logits, state["depths"], nodes, norm)
+    want = reference.rescore_pool_reference(w_res, reference.weaver_norm(rows, *norm), pool_ids, pool_logits,
+                                            state["depths"], nodes)
     assert got.shape == (5, P) and got.dtype == torch.float32
     assert rel_err(got, want) <= tol
 
 
-@pytest.mark.parametrize("warps", list(weaver_round.PUBLISH_WARPS))
 @pytest.mark.parametrize("children", [1, 4, 8, 16])
-def test_triton_publish_children_matches_twin(children: int, warps: str, triton_device: str, monkeypatch) -> None:
-    monkeypatch.setattr(weaver_round.publish_choice, "choices", Always(warps))
+def test_triton_publish_children_matches_twin(children: int, triton_device: str) -> None:
     gen = torch.Generator().manual_seed(children)
     Kd, P, n, V = 5, 37, 16, 100
     pool_ids = distinct_ids(Kd, P, V, gen).to(triton_device)
@@ -96,17 +93,17 @@ def test_triton_place_nodes_matches_twin(triton_device: str) -> None:
         assert torch.equal(got[k].cpu(), want[k]), k
 
 
-@pytest.mark.parametrize("implementation", ["triton", "triton_fused"])
 @pytest.mark.parametrize("budget", [16, 64])
-def test_triton_weaver_tree_with_kernels_equals_torch_builder(budget: int, implementation: str, triton_device: str,
-                                                              tmp_path, monkeypatch) -> None:
+def test_triton_weaver_tree_with_kernels_equals_torch_builder(budget: int, triton_device: str, tmp_path,
+                                                              monkeypatch) -> None:
     fused_widths = []  # the fused Weaver step must really run every round's expansion
 
     def counted(weaver, cache, nodes, *args):
         fused_widths.append(nodes.shape[0])
-        return weaver_step_rows(weaver, cache, nodes, *args)
+        return fused(weaver, cache, nodes, *args)
 
-    monkeypatch.setattr(weaver_tree.weaver_step, "weaver_step_rows", counted)
+    fused = weaver_tree.fused_step_rows
+    monkeypatch.setattr(weaver_tree, "fused_step_rows", counted)
     model, cfg = tiny_target()
     path = tmp_path / "w.pth"
     write_random_weaver_checkpoint(path, cfg, variant=1, seed=4)
@@ -115,34 +112,32 @@ def test_triton_weaver_tree_with_kernels_equals_torch_builder(budget: int, imple
     root = torch.tensor(5, device=triton_device)
     logits = (torch.randn(K, VOCAB, generator=gen) * 2).to(triton_device)
     h_dflash, h_target = torch.randn(K, HIDDEN, generator=gen).to(triton_device), torch.randn(HIDDEN, generator=gen).to(triton_device)
-    got = build_weaver_tree(weaver, root, logits, h_dflash, h_target, budget, pool_size=24, implementation=implementation)
+    got = build_weaver_tree(weaver, root, logits, h_dflash, h_target, budget, pool_size=24,
+                            implementation="triton_fused")
     want = build_weaver_tree(weaver, root, logits, h_dflash, h_target, budget, pool_size=24, implementation="torch")
     for a, b in zip(got, want):
         assert torch.equal(a, b)
     width = -(-budget // 16)
     rounds = [1] + [width] * (-(-budget // width) - 1)  # the root, then every round but the last
-    assert fused_widths == (rounds if implementation == "triton_fused" else [])
+    assert fused_widths == rounds
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("rescore_tile, publish_warps", list(zip(weaver_round.RESCORE_TILES, ["default", "w1", "w2", "w1"])))
-def test_round_kernels_match_twins_at_published_shapes(rescore_tile: str, publish_warps: str, monkeypatch) -> None:
-    """Vocabulary 248320, d_rank 2048, pool 512, K 15, a 65-node tree, W = 4 nodes, bf16 W_res (issue 4's shapes),
-    every timed launch shape of the re-scoring and the publishing."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU (run scripts/gpu_check.sh on the device machine)")
-    monkeypatch.setattr(weaver_round.rescore_choice, "choices", Always(rescore_tile))
-    monkeypatch.setattr(weaver_round.publish_choice, "choices", Always(publish_warps))
+def test_round_kernels_match_twins_at_published_shapes() -> None:
+    """Vocabulary 248320, d_rank 2048, pool 512, K 15, a 65-node tree, W = 4 nodes, bf16 W_res (the published
+    shapes)."""
     gen = torch.Generator().manual_seed(0)
     V, D, Kd, P, n, c = 248320, 2048, 15, 512, 65, 8
     w_res = (torch.randn(V, D, generator=gen) * 0.02).to("cuda", torch.bfloat16)
-    query = torch.randn(4, D, generator=gen).to("cuda", torch.bfloat16)
+    rows = torch.randn(4, D, generator=gen).to("cuda", torch.bfloat16)
+    norm = (torch.ones(D, device="cuda", dtype=torch.bfloat16), torch.zeros(D, device="cuda", dtype=torch.bfloat16),
+            1e-6)
     pool_logits, pool_ids = (torch.randn(Kd, V, generator=gen) * 4).cuda().topk(P, dim=-1)
     state = round_state(n, Kd, seed=1, device="cuda")
     nodes = torch.arange(9, 13, device="cuda")
-    logits = weaver_round.rescore_pool(w_res, query, pool_ids, pool_logits, state["depths"], nodes)
-    assert rel_err(logits, reference.rescore_pool_reference(w_res, query, pool_ids, pool_logits, state["depths"],
-                                                            nodes)) <= 1e-2
+    logits = weaver_round.rescore_pool(w_res, rows, pool_ids, pool_logits, state["depths"], nodes, norm)
+    assert rel_err(logits, reference.rescore_pool_reference(w_res, reference.weaver_norm(rows, *norm), pool_ids,
+                                                            pool_logits, state["depths"], nodes)) <= 1e-2
     frontier = [(torch.full((n, c), float("-inf"), device="cuda"), torch.zeros(n, c, dtype=torch.long, device="cuda"))
                 for _ in range(2)]
     weaver_round.publish_children(logits, pool_ids, state["depths"], state["scores"], *frontier[0], nodes)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash_tfm.spec.tree import (
+from dflash_tfm.tree import (
     TREE_SHAPES,
     TreeSpec,
     ancestor_bitsets,

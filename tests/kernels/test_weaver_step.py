@@ -1,19 +1,21 @@
-"""The fused Weaver step (``kernels.tree_growth.weaver_step``) against its twin, the torch ``Weaver.step``: the
-rows it returns (through ``out_norm``) and the K/V it writes, for both Weaver architectures (SwiGLU + RoPE,
-GELU + learned positions), one and two blocks, nodes whose ancestors were written by earlier calls (Triton's
-interpreter on the CPU, compiled on a GPU; the published shapes in bf16 on the GPU)."""
+"""The fused Weaver step (``spec.weaver_tree.fused_step_rows``: the kernels of ``kernels.tree_growth.weaver_step``)
+against its twin, the torch ``Weaver.step``: the rows it returns (through ``out_norm``) and the K/V it writes, for
+both Weaver architectures (SwiGLU + RoPE, GELU + learned positions), one and two blocks, nodes whose ancestors were
+written by earlier calls (Triton's interpreter on the CPU, compiled on a GPU; the published shapes in bf16 on the
+GPU)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from dflash_tfm.kernels import TRITON_INTERPRETED
-from dflash_tfm.kernels.tree_growth import weaver_round, weaver_step
-from dflash_tfm.spec.weaver import load_weaver
+from dflash_tfm.kernels import TRITON_INTERPRETED, use_triton
+from dflash_tfm.kernels.tree_growth import reference, weaver_round, weaver_step
+from dflash_tfm.spec.weaver import NORM_EPS, load_weaver
 from dflash_tfm.spec.weaver_fixtures import write_random_weaver_checkpoint
+from dflash_tfm.spec.weaver_tree import fused_step_rows
 
 from ..spec.test_weaver import BLOCK, HIDDEN, K, tiny_target
-from .test_tree_common import Always, rel_err, triton_device  # noqa: F401  (fixture)
+from .test_tree_common import rel_err, triton_device  # noqa: F401  (fixture)
 
 
 def random_tree(n: int, leaves: int, max_depth: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -60,14 +62,15 @@ def test_triton_weaver_step_matches_torch_step(variant: int, layers: int, triton
     assert int(depths.max()) > K  # the clamped positions are exercised
     want_cache, got_cache = clone(cache), clone(cache)
     want = weaver.step(want_cache, nodes, tokens[nodes], depths[nodes], ancestors[nodes])
-    rows = weaver_step.weaver_step_rows(weaver, got_cache, nodes, tokens, depths, ancestors)
+    rows = fused_step_rows(weaver, got_cache, nodes, tokens, depths, ancestors)
     assert rel_err(weaver.out_norm(rows), want) <= 1e-5
     assert rel_err(got_cache.k, want_cache.k) <= 1e-5 and rel_err(got_cache.v, want_cache.v) <= 1e-5
     # The output norm fused into the pool re-scoring equals re-scoring the torch step's queries.
     gen = torch.Generator().manual_seed(0)
     pool_logits, pool_ids = torch.randn(K, weaver.w_res.shape[0], generator=gen).to(triton_device).topk(24, dim=-1)
-    fused = weaver_round.rescore_pool(weaver.w_res, rows, pool_ids, pool_logits, depths, nodes, norm=weaver.out_norm)
-    plain = weaver_round.rescore_pool(weaver.w_res, want, pool_ids, pool_logits, depths, nodes)
+    norm = (weaver.out_norm.weight, weaver.out_norm.bias, NORM_EPS)
+    fused = weaver_round.rescore_pool(weaver.w_res, rows, pool_ids, pool_logits, depths, nodes, norm)
+    plain = reference.rescore_pool_reference(weaver.w_res, want, pool_ids, pool_logits, depths, nodes)
     assert rel_err(fused, plain) <= 1e-5
 
 
@@ -78,20 +81,17 @@ def test_weaver_step_rejects_too_many_nodes(tmp_path) -> None:
     weaver = load_weaver(path, model, cfg, BLOCK, "cpu", torch.float32)
     n = weaver_step.MAX_ROWS + 1
     cache = weaver.encode_prefix(torch.zeros(HIDDEN), torch.zeros(K, HIDDEN), n)
-    if weaver_step.use_triton(cache.k):  # (on the CPU without the interpreter the twin runs, any width)
+    if use_triton(cache.k):  # (on the CPU without the interpreter the twin runs, any width)
         with pytest.raises(ValueError, match="nodes"):
-            weaver_step.weaver_step_rows(weaver, cache, torch.arange(n), torch.zeros(n, dtype=torch.long),
-                                         torch.zeros(n, dtype=torch.long), torch.eye(n, dtype=torch.bool))
+            fused_step_rows(weaver, cache, torch.arange(n), torch.zeros(n, dtype=torch.long),
+                            torch.zeros(n, dtype=torch.long), torch.eye(n, dtype=torch.bool))
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("tile", list(weaver_step.ROW_TILES))
-def test_weaver_step_matches_torch_step_at_published_shapes(tile: str, tmp_path, monkeypatch) -> None:
-    """d_rank 2048, 16 heads, MLP 2048, K 15, a 65-node tree, W = 4, bf16 (issue 4's Weaver), every timed tile
+def test_weaver_step_matches_torch_step_at_published_shapes(tile: str, tmp_path) -> None:
+    """d_rank 2048, 16 heads, MLP 2048, K 15, a 65-node tree, W = 4, bf16 (the published Weaver), every tuned tile
     of the projections; three calls in a row give equal rows (the K-split tiles leave their counters zeroed)."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU (run scripts/gpu_check.sh on the device machine)")
-    monkeypatch.setattr(weaver_step.rows_matmul_choice, "choices", Always(tile))
     model, cfg = tiny_target(5120)
     path = tmp_path / "w.pth"
     write_random_weaver_checkpoint(path, cfg, d_rank=2048, num_heads=16, mlp_dim=2048)
@@ -99,7 +99,8 @@ def test_weaver_step_matches_torch_step_at_published_shapes(tile: str, tmp_path,
     cache, nodes, tokens, depths, ancestors = step_case(weaver, "cuda", seed=0, n=65, W=4)
     want_cache, got_cache = clone(cache), clone(cache)
     want = weaver.step(want_cache, nodes, tokens[nodes], depths[nodes], ancestors[nodes])
-    runs = [weaver_step.weaver_step_rows(weaver, got_cache, nodes, tokens, depths, ancestors) for _ in range(3)]
+    with weaver_step.ROWS_MATMUL.forced(tile):
+        runs = [fused_step_rows(weaver, got_cache, nodes, tokens, depths, ancestors) for _ in range(3)]
     assert rel_err(weaver.out_norm(runs[0]).float(), want.float()) <= 2e-2
     assert rel_err(got_cache.k.float(), want_cache.k.float()) <= 2e-2
     assert all(torch.equal(run, runs[0]) for run in runs[1:])
@@ -128,7 +129,7 @@ def test_kernels_compile_for_hopper() -> None:
     cases = [(weaver_step._rows_matmul_kernel, matmul, dict(f, PRECISION="tf32", BM=16, BN=32, BK=128, SPLIT=1))
              for f in step_flags]
     cases += [(weaver_step._node_attention_kernel, attention, dict(ROTARY=r, D=128, BT=32)) for r in (True, False)]
-    cases += [(weaver_round._rescore_pool_kernel, rescore, dict(NORM=n, BP=16, BD=256)) for n in (True, False)]
+    cases.append((weaver_round._rescore_pool_kernel, rescore, dict(BP=weaver_round.RESCORE_POOL_ROWS, BD=256)))
     # The round's bookkeeping at both tree widths (8 published, 16 default) for 65- and 129-node trees.
     publish = dict(logits="*fp32", pool_ids=i64, depths=i64, scores="*fp32", frontier_score="*fp32",
                    frontier_token=i64, nodes=i64, P="i32", K="i32")
@@ -140,12 +141,8 @@ def test_kernels_compile_for_hopper() -> None:
                                                                  BN=triton.next_power_of_2(n)))
                   for n, w in ((65, 4), (129, 8))]
     options = [{"num_warps": 4}] * len(cases)
-    for BP, warps in weaver_round.RESCORE_TILES.values():  # the timed launch shapes of re-scoring and publishing
-        cases.append((weaver_round._rescore_pool_kernel, rescore, dict(NORM=True, BP=BP, BD=256)))
-        options.append({"num_warps": warps})
-    for warps in weaver_round.PUBLISH_WARPS.values():
-        cases.append((weaver_round._publish_children_kernel, publish, dict(C=16, BP=512, FLOOR=-1e30)))
-        options.append({"num_warps": warps})
+    cases.append((weaver_round._publish_children_kernel, publish, dict(C=16, BP=512, FLOOR=-1e30)))
+    options.append({"num_warps": weaver_round.PUBLISH_WARPS})
     for tile in filter(None, weaver_step.ROW_TILES.values()):  # the timed tiles, on SwiGLU's flags (+ residual)
         BN, BK, warps, stages, split = tile
         for flags in (step_flags[3], step_flags[2]):
@@ -158,9 +155,7 @@ def test_kernels_compile_for_hopper() -> None:
 
 
 @pytest.mark.parametrize("tile", [t for t in weaver_step.ROW_TILES if t != "default"])
-def test_triton_weaver_step_every_timed_tile_matches_torch_step(tile: str, triton_device: str, tmp_path,
-                                                                 monkeypatch) -> None:
-    monkeypatch.setattr(weaver_step.rows_matmul_choice, "choices", Always(tile))
+def test_triton_weaver_step_every_tuned_tile_matches_torch_step(tile: str, triton_device: str, tmp_path) -> None:
     model, cfg = tiny_target()
     path = tmp_path / "w.pth"
     write_random_weaver_checkpoint(path, cfg, variant=1, num_layers=2, seed=3)
@@ -168,5 +163,6 @@ def test_triton_weaver_step_every_timed_tile_matches_torch_step(tile: str, trito
     cache, nodes, tokens, depths, ancestors = step_case(weaver, triton_device, seed=2)
     want_cache, got_cache = clone(cache), clone(cache)
     want = weaver.step(want_cache, nodes, tokens[nodes], depths[nodes], ancestors[nodes])
-    rows = weaver_step.weaver_step_rows(weaver, got_cache, nodes, tokens, depths, ancestors)
+    with weaver_step.ROWS_MATMUL.forced(tile):
+        rows = fused_step_rows(weaver, got_cache, nodes, tokens, depths, ancestors)
     assert rel_err(weaver.out_norm(rows), want) <= 1e-5

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dflash_tfm.config import ModelConfig
-from dflash_tfm.loading.errors import CheckpointError
+from dflash_tfm.errors import CheckpointError
 from dflash_tfm.loading.loader import check_checkpoint, load_target, open_checkpoint
 
 from ..models.tiny_targets import save_hf_model

@@ -10,7 +10,7 @@ from gguf import GGMLQuantizationType as QT
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dflash_tfm.loading.default_model import default_model_path
-from dflash_tfm.loading.errors import CheckpointError, CheckpointNotFoundError
+from dflash_tfm.errors import CheckpointError, CheckpointNotFoundError
 from dflash_tfm.loading.gguf_file import GGUFCheckpoint, load_gguf_tokenizer, open_gguf
 
 TEXTS = [

@@ -7,13 +7,11 @@ import torch
 
 from dflash_tfm.config import ModelConfig
 from dflash_tfm.engine.model_runner import ModelRunner
-from dflash_tfm.layers import attention, gated_deltanet
-from dflash_tfm.layers.weight_prefetch import prefetching
+from dflash_tfm.layers import attention
 from dflash_tfm.loading.loader import build_model
 from dflash_tfm.models.random_init import init_random_
-from dflash_tfm.spec.tree import TreeSpec, random_parents
+from dflash_tfm.tree import TreeSpec, random_parents
 
-from ..kernels.test_tree_common import Always
 
 pytestmark = pytest.mark.gpu
 
@@ -49,36 +47,24 @@ def target(request):
     return model, dtype
 
 
-@pytest.mark.parametrize("prefetch, layout", [(0, "prefix"), (1 << 20, "prefix"), (1 << 20, "rows"),
-                                              (1 << 20, "strided")],
-                         ids=["no-prefetch", "l2-prefix", "l2-rows", "l2-strided"])
-def test_graph_decode_matches_full_prefill(target, prefetch: int, layout: str) -> None:
-    """Captured decode steps, with and without the L2 prefetches (side-stream forks) in the graph."""
+def test_graph_decode_matches_full_prefill(target) -> None:
+    """Captured decode steps."""
     model, dtype = target
     ids = torch.randint(0, 256, (90,), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
     ref = full_logits(model, ids)
     runner = ModelRunner(model, max_len=512, device=torch.device("cuda"), use_cuda_graph=True)
     runner.reset()
-    with prefetching(mixer=prefetch, short=prefetch, mixer_layout=layout, short_layout=layout):
-        last, _ = runner.prefill(ids[:60])
-        assert rel_err(last, ref[59]) <= TOLERANCE[dtype]
-        for t in range(60, 90):
-            logits = runner.decode(ids[t : t + 1], t)
-            assert rel_err(logits[0], ref[t]) <= TOLERANCE[dtype], f"position {t}"
+    last, _ = runner.prefill(ids[:60])
+    assert rel_err(last, ref[59]) <= TOLERANCE[dtype]
+    for t in range(60, 90):
+        logits = runner.decode(ids[t : t + 1], t)
+        assert rel_err(logits[0], ref[t]) <= TOLERANCE[dtype], f"position {t}"
 
 
-@pytest.mark.parametrize("paths", [("unfused", "tree_kernel", 0), ("fused", "tree_kernel s1", 0),
-                                   ("front", "tree_kernel s4 ts", 0), ("front serial", "tree_kernel s8", 0),
-                                   ("fused", "tree_kernel", 1 << 20)],
-                         ids=["unfused", "fused-s1", "front-tree-split", "front-serial-s8", "l2-prefetch"])
-def test_triton_verify_and_commit_match_plain_decoding(target, paths, monkeypatch) -> None:
-    """The GDN verify paths (inputs unfused, fused, or with the Gram tiles in one launch, then the split or the
-    serial solver) and split modes of the
-    tree attention (forced), and the L2 prefetch of every projection after a mixer or a small op (paths[2]
-    bytes; strided after a mixer, the start of every row after a small op)."""
-    monkeypatch.setattr(gated_deltanet.gdn_verify_path_choice, "choices", Always(paths[0]))
-    monkeypatch.setattr(attention.verify_attention_choice, "choices", Always(paths[1]))
-    with prefetching(mixer=paths[2], short=paths[2], mixer_layout="strided", short_layout="rows"):
+@pytest.mark.parametrize("tile", attention.VERIFY_ATTENTION.candidates)
+def test_triton_verify_and_commit_match_plain_decoding(target, tile) -> None:
+    """The verify with each tile the tree attention's tuned choice may take (forced)."""
+    with attention.VERIFY_ATTENTION.forced(tile):
         check_verify_and_commit(target)
 
 

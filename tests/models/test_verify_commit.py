@@ -10,11 +10,9 @@ import torch
 
 from dflash_tfm.config import ModelConfig
 from dflash_tfm.engine.model_runner import ModelRunner
-from dflash_tfm.layers import gated_deltanet
 from dflash_tfm.loading.loader import build_model, load_weights, open_checkpoint
-from dflash_tfm.spec.tree import TreeSpec, random_parents
+from dflash_tfm.tree import TreeSpec, random_parents
 
-from ..kernels.test_tree_common import Always
 from .tiny_targets import VOCAB, save_hf_model
 
 PROMPT_LEN = 21
@@ -60,16 +58,12 @@ def snapshot(cache) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize(
-    "shape, n, gdn_kernel, gdn_path",
-    [("chain", 6, "chunk", "unfused"), ("star", 7, "chunk", "unfused"), ("binary", 15, "chunk", "fused"),
-     ("random", 20, "chunk", "unfused"), ("best_first", 18, "chunk", "unfused"), ("best_first", 18, "chunk", "front"),
-     ("best_first", 18, "chunk", "front serial"),
-     ("random", 12, "recurrent", "fused")],
+    "shape, n, gdn_kernel",
+    [("chain", 6, "chunk"), ("star", 7, "chunk"), ("binary", 15, "chunk"), ("random", 20, "chunk"),
+     ("best_first", 18, "chunk"), ("random", 12, "recurrent")],
 )
-def test_verify_matches_plain_decoding_and_commit_continues_it(model, shape: str, n: int, gdn_kernel: str,
-                                                               gdn_path: str, monkeypatch) -> None:
-    """Every GDN verify path (forced; on the CPU each runs its kernels' torch twins)."""
-    monkeypatch.setattr(gated_deltanet.gdn_verify_path_choice, "choices", Always(gdn_path))
+def test_verify_matches_plain_decoding_and_commit_continues_it(model, shape: str, n: int, gdn_kernel: str) -> None:
+    """Both GDN verify kernels (on the CPU their torch twins)."""
     prompt = torch.randint(0, VOCAB, (PROMPT_LEN,), generator=torch.Generator().manual_seed(n))
     tokens, parents = random_tree(n, shape, seed=n)
     runner = ModelRunner(model, max_len=128, device=torch.device("cpu"), use_cuda_graph=False)

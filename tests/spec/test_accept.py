@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from dflash_tfm.spec.accept import accept_tree
-from dflash_tfm.spec.tree import TreeSpec, random_parents
+from dflash_tfm.tree import TreeSpec, random_parents
 
 
 def python_walk(tokens: list[int], parents: list[int], draws: list[int]) -> tuple[list[int], int]:

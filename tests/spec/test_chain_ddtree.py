@@ -9,7 +9,7 @@ import torch
 
 from dflash_tfm.spec.chain import build_chain
 from dflash_tfm.spec.ddtree import build_ddtree
-from dflash_tfm.spec.tree import TreeSpec, depths_from_parents
+from dflash_tfm.tree import TreeSpec, depths_from_parents
 
 from .test_weaver import single_thread  # noqa: F401 (autouse: one intra-op thread in this module)
 

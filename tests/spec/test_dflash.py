@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 from dflash_tfm.config import ModelConfig
 from dflash_tfm.spec import dflash as dflash_module
 from dflash_tfm.engine.model_runner import ModelRunner
-from dflash_tfm.loading.errors import CheckpointError
+from dflash_tfm.errors import CheckpointError
 from dflash_tfm.loading.loader import build_model
 from dflash_tfm.models.random_init import init_random_
 from dflash_tfm.spec.dflash import DFlashDrafter, load_dflash_drafter
@@ -122,16 +122,6 @@ def reference_draft(sd: dict, cfg: DFlashConfig, embed: torch.Tensor, lm_head: t
 # ---------------------------------------------------------------------------------------------------------
 
 
-class AlwaysTreeKernel(dict):
-    """Stands in for `block_attention_choice.choices`: every shape has chosen the tree kernel."""
-
-    def __contains__(self, key) -> bool:
-        return True
-
-    def __getitem__(self, key) -> str:
-        return "tree_kernel"
-
-
 @pytest.mark.parametrize("attention", ["sdpa", "tree_kernel"])
 @pytest.mark.parametrize("window", [5, 20, 64])  # 5 < block and << context (gathered window); 20: both read paths;
 @pytest.mark.parametrize("causal", [False, True])  # 64: no key ever outside the window (the tree kernel may serve)
@@ -139,7 +129,7 @@ class AlwaysTreeKernel(dict):
 def test_draft_matches_reference(target, tmp_path, window, causal, attention, monkeypatch):
     arch, cfg, model = target
     if attention == "tree_kernel":  # its pure-PyTorch twin on the CPU; the kernel itself: tests/kernels
-        monkeypatch.setattr(dflash_module.block_attention_choice, "choices", AlwaysTreeKernel())
+        monkeypatch.setattr(dflash_module, "TREE_KERNEL_DEVICES", ("cuda", "cpu"))
     path = write_drafter(tmp_path, arch, cfg, window)
     drafter = load_dflash_drafter(path, model, cfg, "cpu", torch.float32, max_len=MAX_LEN, causal_sliding_in_block=causal)
     sd = load_file(path / "model.safetensors")

@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from benchmarks.tree_expectation import step_scoring
 from dflash_tfm.config import ModelConfig
 from dflash_tfm.engine.autoregressive import AutoregressiveDecoder
 from dflash_tfm.engine.decoder_factory import build_decoder, build_proposer
@@ -155,7 +156,7 @@ def test_trees_accept_through_second_siblings(target, algo: str) -> None:
 
 
 def test_step_scoring_commits_like_step_and_scores_exactly(target) -> None:
-    """step_scoring emits the greedy tokens as step does; at T = 0 its own tree's expectation is the drafts the
+    """The tree-expectation benchmark's step_scoring emits the greedy tokens as step does; at T = 0 its own tree's expectation is the drafts the
     step accepted, and another builder scored on the same draft gets its own (different) count."""
     cfg, model, root = target
     reference = greedy_reference(model, N_TOKENS + 3 * BLOCK)
@@ -167,7 +168,7 @@ def test_step_scoring_commits_like_step_and_scores_exactly(target) -> None:
     tokens = [decoder.prefill(PROMPT, GREEDY, None)]
     tree_scores, chain_scores = [], []
     while len(tokens) < N_TOKENS:
-        out, (own, chain, same) = decoder.step_scoring(GREEDY, None, others)
+        out, (own, chain, same) = step_scoring(decoder, GREEDY, None, others)
         assert own == same == len(out) - 1
         tree_scores.append(own)
         chain_scores.append(chain)

@@ -11,11 +11,11 @@ import torch
 import torch.nn.functional as F
 
 from dflash_tfm.config import ModelConfig
-from dflash_tfm.loading.errors import CheckpointError, CheckpointNotFoundError
+from dflash_tfm.errors import CheckpointError, CheckpointNotFoundError
 from dflash_tfm.loading.loader import build_model
 from dflash_tfm.models.decoder import CausalLM
 from dflash_tfm.models.random_init import init_random_
-from dflash_tfm.spec.tree import ancestor_mask
+from dflash_tfm.tree import ancestor_mask
 from dflash_tfm.spec.weaver import Weaver, WeaverConfig, load_weaver
 from dflash_tfm.spec.weaver_fixtures import write_random_weaver_checkpoint
 

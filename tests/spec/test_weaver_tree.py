@@ -101,7 +101,7 @@ def test_pool_of_one_is_the_chain_and_overfull_budgets_are_refused(setup) -> Non
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("builder", ["ddtree", "weaver", "weaver_triton", "weaver_triton_fused"])
+@pytest.mark.parametrize("builder", ["ddtree", "weaver", "weaver_torch"])
 def test_builders_capture_in_a_cuda_graph(builder: str, tmp_path) -> None:
     """Static shapes and no host sync: a captured replay on new inputs equals an eager call."""
     model, cfg = tiny_target()

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from dflash_tfm.config import ModelConfig
-from dflash_tfm.engine.cache import ModelCache
-from dflash_tfm.loading.errors import CheckpointError
+from dflash_tfm.models.cache import ModelCache
+from dflash_tfm.errors import CheckpointError
 from dflash_tfm.loading.loader import build_model
 from dflash_tfm.models.random_init import init_random_
 from dflash_tfm.spec.dflash import attention_mask, load_dflash_drafter

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from dflash_tfm.config import ModelConfig
-from dflash_tfm.engine.cache import ModelCache
+from dflash_tfm.models.cache import ModelCache
 from dflash_tfm.engine.model_runner import ModelRunner
 from dflash_tfm.loading.loader import build_model
 from dflash_tfm.models.decoder import CausalLM

@@ -21,7 +21,7 @@ from typing import Generic, TypeVar
 
 import torch
 
-from dflash_tfm.engine.cache import ModelCache
+from dflash_tfm.models.cache import ModelCache
 from dflash_tfm.engine.model_runner import key_length_bucket
 from dflash_tfm.engine.phase_graphs import PhaseGraphs
 from dflash_tfm.sampling import make_generator, sample
@@ -69,8 +69,8 @@ class BatchGenerator:
 
     def _decode(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """One token per row (tokens [slots], positions [slots, 1], both on the host) -> fp32 logits [slots, V];
-        advances every row's caches. Reads a bucketed key length, not max(position) + 1: a new shape every step
-        would also re-time the decode kernel choices (`MeasuredChoice`) every step."""
+        advances every row's caches. Reads a bucketed key length, not max(position) + 1, so the step sees a few
+        shapes, not a new one every step."""
         kv_len = key_length_bucket(int(positions.max()), self.max_len)
         self._ids.copy_(tokens.view(-1, 1))
         self._positions.copy_(positions)

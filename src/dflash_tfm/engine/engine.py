@@ -16,6 +16,7 @@ from typing import Iterator
 
 import torch
 
+from dflash_tfm import tuning
 from dflash_tfm.engine.decoder_factory import build_decoder
 from dflash_tfm.engine.detokenizer import IncrementalDetokenizer
 from dflash_tfm.engine.model_runner import ModelRunner
@@ -86,6 +87,12 @@ class Engine:
     @property
     def speculative_algorithm(self) -> str | None:
         return self.speculative.algorithm
+
+    @property
+    def kernel_path(self) -> str:
+        """One line naming the kernel choices this process takes (the tuning cache file and its table hash on a
+        GPU): printed at start by the CLI, the demo and the server, so two runs can be seen to take one path."""
+        return tuning.describe_kernel_path(self.device)
 
     @functools.cached_property
     def max_chars_per_token(self) -> int:

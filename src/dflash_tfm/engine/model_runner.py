@@ -11,7 +11,7 @@ from typing import Callable
 
 import torch
 
-from dflash_tfm.engine.cache import ModelCache
+from dflash_tfm.models.cache import ModelCache
 from dflash_tfm.layers.linear import skinny_projections
 from dflash_tfm.models.decoder import CausalLM
 
@@ -103,7 +103,7 @@ class ModelRunner:
         return logits
 
     def _step(self, kv_len: int) -> torch.Tensor:
-        with skinny_projections():  # one row: the projections may take a measured kernel (layers/linear.py)
+        with skinny_projections():  # one row: the projections may take their tuned kernel (layers/linear.py)
             hidden, _ = self.model(self._static_ids, self._static_pos, self.cache, kv_len=kv_len)
             return self.model.logits(hidden[:, -1])
 

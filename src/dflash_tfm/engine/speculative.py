@@ -25,8 +25,8 @@ from dflash_tfm.engine.phase_timer import PhaseTimer
 from dflash_tfm.sampling import sample
 from dflash_tfm.layers.linear import skinny_projections
 from dflash_tfm.sampling_params import SamplingParams
-from dflash_tfm.spec.accept import accept_tree, expected_accepted, target_draws
-from dflash_tfm.spec.tree import TreeSpec
+from dflash_tfm.spec.accept import accept_tree, target_draws
+from dflash_tfm.tree import TreeSpec
 
 TreeBuilder = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
@@ -111,7 +111,7 @@ class SpeculativeDecoder:
             self._uniforms.uniform_(generator=generator)
         self.last_step_drafts = self.proposer.num_nodes - 1
         sampling = "greedy" if params.greedy else (params.temperature, params.top_k, params.top_p)
-        with skinny_projections():  # fixed row counts: projections may use the measured skinny kernels
+        with skinny_projections():  # fixed row counts: projections may take their tuned kernels
             if not self._drafted:
                 self._timed_draft(L)
             with t.phase("tree"):
@@ -133,33 +133,6 @@ class SpeculativeDecoder:
         draft_len = self.runner.bucket(max_length + self.max_depth)
         with self.timer.phase("draft"):
             self.graphs.run(("draft", draft_len), lambda: self._draft(draft_len))
-
-    @torch.inference_mode()
-    def step_scoring(self, params: SamplingParams, generator: torch.Generator | None,
-                     proposers: list[Proposer]) -> tuple[list[int], list[float]]:
-        """:meth:`step` (eager, no graphs), also scoring other tree builders on the same draft: each of
-        ``proposers`` builds and verifies its tree (caches untouched until the commit), and every tree gets the
-        exact expected number of drafts acceptance would take from it (``expected_accepted``). Returns the
-        step's tokens and the expectations, this decoder's own tree first, then those of ``proposers`` (for
-        benchmarks comparing proposers without sampling noise)."""
-        if self.length + self.max_depth + 1 > self.runner.max_len:
-            raise ValueError("step_scoring needs a block of room before the end of the cache")
-        if not params.greedy:
-            self._uniforms.uniform_(generator=generator)
-        self._draft(self.runner.bucket(self.length + self.max_depth))
-        own, expectations = self.proposer, []
-        try:
-            for proposer in [*proposers, own]:  # own last: its verified tree is the one committed
-                self.proposer = proposer
-                self._tree()
-                self._verify()
-                tokens, parents, _ = self._tree_nodes
-                expectations.append(float(expected_accepted(
-                    self._verified[3], tokens, parents, self._tree_spec.ancestor_mask()[0], params)))
-        finally:
-            self.proposer = own
-        self._commit(params)
-        return self._take_emitted(), expectations[-1:] + expectations[:-1]
 
     def _stage_emitted(self) -> None:
         """Start copying the last commit's tokens to the host (pinned memory on CUDA), without waiting."""

@@ -14,10 +14,9 @@ from dflash_tfm.kernels.attention.reference import sigmoid_gate_reference
 from dflash_tfm.kernels.attention.tree_attention import tree_attention
 from dflash_tfm.layers.compile import fuse_on_cuda
 from dflash_tfm.layers.linear import linear
-from dflash_tfm.layers.measured_choice import MeasuredChoice
 from dflash_tfm.layers.norm import RMSNorm, rms_norm
 from dflash_tfm.layers.rotary import RotaryEmbedding, apply_rotary, apply_rotary_to_keys
-from dflash_tfm.layers.weight_prefetch import ahead_of
+from dflash_tfm.tuning import TunedChoice
 
 
 class Attention(nn.Module):
@@ -76,15 +75,14 @@ class Attention(nn.Module):
         masked, so `kv_len` may be any static bound >= positions.max() + 1 (CUDA graphs use a bucket size).
         k_cache / v_cache: [B, S, Hkv, D]. A single new token on CUDA goes through `decode_attention`.
         """
-        with ahead_of(self.o_proj, "mixer", qkv):
-            q, k, v, gate = self.project(qkv, positions, rope)
-            write_kv(k, v, positions, k_cache, v_cache)
-            keys, values = k_cache[:, :kv_len], v_cache[:, :kv_len]
-            if qkv.shape[1] == 1 and qkv.is_cuda:
-                o = decode_attention(q, k, v, keys, values, positions, self.scale)
-            else:
-                o = causal_cache_attention(q, keys, values, positions, self.scale)
-            o = self.output_gate(o, gate)
+        q, k, v, gate = self.project(qkv, positions, rope)
+        write_kv(k, v, positions, k_cache, v_cache)
+        keys, values = k_cache[:, :kv_len], v_cache[:, :kv_len]
+        if qkv.shape[1] == 1 and qkv.is_cuda:
+            o = decode_attention(q, k, v, keys, values, positions, self.scale)
+        else:
+            o = causal_cache_attention(q, keys, values, positions, self.scale)
+        o = self.output_gate(o, gate)
         return linear(o, self.o_proj)
 
     def verify(
@@ -100,9 +98,8 @@ class Attention(nn.Module):
         """Tree nodes (their projections qkv [B, N, q|k|v]) at `positions` (L + depth) attend to the L cached
         keys plus their ancestors-and-self (`ancestors` bitsets [B, N, W]). The cache is only read; the nodes'
         K/V are returned for `commit`. The output gate, if any, is applied by the attention kernel itself."""
-        with ahead_of(self.o_proj, "mixer", qkv):
-            q, k, v, gate = self.project(qkv, positions, rope)
-            o = verify_attention(q, k, v, k_cache, v_cache, cache_len, ancestors, self.scale, gate)
+        q, k, v, gate = self.project(qkv, positions, rope)
+        o = verify_attention(q, k, v, k_cache, v_cache, cache_len, ancestors, self.scale, gate)
         return linear(o.reshape(*o.shape[:2], -1), self.o_proj), (k, v)
 
 
@@ -142,9 +139,7 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, k_cache:
     v_cache.index_put_((batch, positions), v.to(v_cache.dtype))
 
 
-decode_attention_choice = MeasuredChoice(default="sdpa")
-# Cache splits the tree kernel is also timed with (besides its own heuristic), by candidate name.
-DECODE_SPLITS = {f"tree_kernel s{n}": n for n in (4, 8, 16, 32, 64)}
+DECODE_SPLITS = 32
 MIN_KEYS_PER_DECODE_SPLIT = 32  # one key tile of the tree kernel at head dim > 128
 
 
@@ -152,41 +147,30 @@ def decode_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     positions: torch.Tensor, scale: float,
 ) -> torch.Tensor:
-    """One new token per row (q [B, 1, H, D], its k, v [B, 1, Hkv, D] already written at `positions` [B, 1]):
-    SDPA with a position mask, or the split-KV tree-attention kernel with the token as a one-node tree over
-    the cache's first `positions` slots (its own split heuristic, or a fixed split count "tree_kernel sN"),
-    whichever measured fastest for this shape (`MeasuredChoice`)."""
-    def sdpa() -> torch.Tensor:
-        return causal_cache_attention(q, k_cache, v_cache, positions, scale)
-
-    def tree_kernel(splits: int | None = None) -> torch.Tensor:
-        itself = torch.ones(q.shape[0], 1, 1, dtype=torch.long, device=q.device)  # ancestor bitset: bit 0
-        return tree_attention(q, k_cache, v_cache, positions[:, 0], k, v, itself, scale, num_splits=splits)
-
-    def candidates() -> dict:
-        fixed = {name: (lambda n=n: tree_kernel(n)) for name, n in DECODE_SPLITS.items()
-                 if n * MIN_KEYS_PER_DECODE_SPLIT <= k_cache.shape[1]}
-        return {"sdpa": sdpa, "tree_kernel": tree_kernel} | fixed
-
-    # Keyed by the power of two above the key count: a caller whose key length changes every step (not a
-    # bucket) would otherwise re-time the candidates every step.
-    key = (*q.shape, 1 << (k_cache.shape[1] - 1).bit_length(), k_cache.shape[2], q.dtype)
-    name = decode_attention_choice.pick(key, candidates)
-    return sdpa() if name == "sdpa" else tree_kernel(DECODE_SPLITS.get(name))
+    """One new token per row (q [B, 1, H, D], its k, v [B, 1, Hkv, D] already written at `positions` [B, 1]) on
+    CUDA: the split-KV tree-attention kernel with the token as a one-node tree over the cache's first
+    `positions` slots, in `DECODE_SPLITS` cache splits (fewer for a short cache: at least
+    `MIN_KEYS_PER_DECODE_SPLIT` keys each). On the H200 that beat SDPA and every other split count at both
+    key-length buckets the 27B decode step was timed at (2048 keys: 8.7 µs against SDPA's 11.1, 16 splits 9.5;
+    8192 keys: 12.1 against 17.1; docs/data/ar_decode_h200s16_run*.json)."""
+    itself = torch.ones(q.shape[0], 1, 1, dtype=torch.long, device=q.device)  # ancestor bitset: bit 0
+    splits = max(1, min(DECODE_SPLITS, k_cache.shape[1] // MIN_KEYS_PER_DECODE_SPLIT))
+    splits = 1 << (splits.bit_length() - 1)  # a power of two
+    return tree_attention(q, k_cache, v_cache, positions[:, 0], k, v, itself, scale, num_splits=splits)
 
 
-verify_attention_choice = MeasuredChoice(default="tree_kernel")
-# Also timed (tree_attention keyword arguments): fixed cache splits; 64-key tiles (half the loop trips; at head
-# dim 256 ptxas spills ~130 bytes); 128-row tiles, which read each K/V tile for twice the rows (at head dim 256
-# with 64-key tiles only in 2 pipeline stages: 3 exceed the shared memory); the tree keys as a split of their
-# own ("ts": the last cache split no longer walks the tree keys after its slice).
-VERIFY_TILES = {f"tree_kernel s{n}": {"num_splits": n} for n in (1, 2, 4, 8, 16)} | {
-    f"tree_kernel s{n} bn64": {"num_splits": n, "block_n": 64} for n in (2, 4, 8)} | {
-    f"tree_kernel s{n} bm128": {"num_splits": n, "block_m": 128} for n in (2, 4, 8)} | {
-    f"tree_kernel s{n} bn64 bm128 st2": {"num_splits": n, "block_n": 64, "block_m": 128, "num_stages": 2}
-    for n in (2, 4, 8)} | {
-    f"tree_kernel s{n}{bm} ts": {"num_splits": n, "tree_split": True} | ({"block_m": 128} if bm else {})
-    for n in (4, 8, 16) for bm in ("", " bm128")}
+# The tree kernel's tiles the verify's tuned choice times besides its own split heuristic ("tree_kernel"), as
+# tree_attention keyword arguments: those that won a tree size on the H200. In the model (1536 cached keys,
+# docs/data/verify_step_h200s1[678]*.json): 16 cache splits at N = 1 and 16 (13.5 against the heuristic's 16.7 µs
+# at N = 16), 4 splits of 64-key tiles at N = 65 (26.2 against 34.7), 2 at N = 129 (41.7 against 56.3). In the
+# sweep of the kernel alone (`bench_tree_kernels --attention-sweep`), 128-row tiles (each K/V tile read for twice
+# the rows): 8 splits at N = 65, 4 at N = 129, 7–19 % under those. The sweep's other tiles never won.
+VERIFY_TILES = {"tree_kernel s16": {"num_splits": 16}, "tree_kernel s4 bn64": {"num_splits": 4, "block_n": 64},
+                "tree_kernel s2 bn64": {"num_splits": 2, "block_n": 64},
+                "tree_kernel s8 bm128": {"num_splits": 8, "block_m": 128},
+                "tree_kernel s4 bm128": {"num_splits": 4, "block_m": 128}}
+VERIFY_ATTENTION = TunedChoice("verify_attention", default="tree_kernel",
+                               candidates=("tree_kernel", *VERIFY_TILES))
 VERIFY_TIMING_KEYS = 2048  # cached keys the candidates are timed over (one verify graph serves every length)
 
 
@@ -194,12 +178,11 @@ def verify_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     cache_len: int | torch.Tensor, ancestors: torch.Tensor, scale: float, gate: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """`tree_attention` of the tree nodes (times sigmoid(gate), if given) with its own split heuristic or a fixed
-    number of cache splits (and key and row tiles), whichever measured fastest for the shape. Fewer splits
-    write fewer fp32 partial outputs for the merge (8 splits of a 65-node tree: 13 MB per layer, three times
-    the K/V read at a 1k context), more keep more SMs busy. The candidates are timed over `VERIFY_TIMING_KEYS`
-    cached keys rather than the caller's length: the choice is made at the first verify (the prompt's length)
-    and then serves every length."""
+    """`tree_attention` of the tree nodes (times sigmoid(gate), if given) with its own split heuristic or one of
+    `VERIFY_TILES`, the tuned choice for the shape. Fewer splits write fewer fp32 partial outputs for the merge
+    (8 splits of a 65-node tree: 13 MB per layer, three times the K/V read at a 1k context), more keep more SMs
+    busy. The candidates are timed over `VERIFY_TIMING_KEYS` cached keys rather than the caller's length, which
+    changes every step: one choice per tree shape serves every length."""
     def run(tile: dict | None = None, length: int | torch.Tensor = cache_len) -> torch.Tensor:
         return tree_attention(q, k_cache, v_cache, length, k, v, ancestors, scale, gate=gate, **(tile or {}))
 
@@ -208,9 +191,8 @@ def verify_attention(
         return {"tree_kernel": lambda: run(length=length)} | {
             name: (lambda t=t: run(t, length)) for name, t in VERIFY_TILES.items()}
 
-    key = (*q.shape, k_cache.shape[1], k_cache.shape[2], q.dtype, gate is not None)
-    name = verify_attention_choice.pick(key, candidates, can_time=q.is_cuda)
-    return run(VERIFY_TILES.get(name))
+    key = (*q.shape, min(k_cache.shape[1], VERIFY_TIMING_KEYS), k_cache.shape[2], q.dtype, gate is not None)
+    return run(VERIFY_TILES.get(VERIFY_ATTENTION.pick(key, candidates, q.device)))
 
 
 def additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

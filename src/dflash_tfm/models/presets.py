@@ -1,5 +1,7 @@
-"""Published model shapes, as HF-style config dicts, for real-scale timing with random weights."""
+"""Published model shapes, as HF-style config dicts, for real-scale timing and tuning with random weights."""
 from __future__ import annotations
+
+_S, _F = "sliding_attention", "full_attention"
 
 # Qwen3.6-27B text model (MODELS.md): 64 layers = 16 x (3 Gated DeltaNet + 1 gated attention).
 QWEN3_6_27B: dict = {
@@ -22,6 +24,18 @@ QWEN3_6_27B: dict = {
     "max_position_embeddings": 262144,
     "tie_word_embeddings": False,
 }
+
+# z-lab/Qwen3.6-27B-DFlash, its drafter (MODELS.md): 1.73B parameters besides the target's embeddings and lm_head.
+QWEN3_6_27B_DFLASH: dict = {
+    "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": 5120, "num_hidden_layers": 5,
+    "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 17408,
+    "rms_norm_eps": 1e-6, "rope_theta": 10_000_000.0, "layer_types": [_S, _S, _S, _S, _F], "sliding_window": 2048,
+    "num_target_layers": 64, "block_size": 16,
+    "dflash_config": {"mask_token_id": 248070, "target_layer_ids": [1, 16, 31, 46, 61]},
+}
+
+# The published Weaver (variant 1), as `spec.weaver_fixtures.write_random_weaver_checkpoint` arguments (plus K).
+PUBLISHED_WEAVER: dict = {"variant": 1, "d_rank": 2048, "num_heads": 16, "mlp_dim": 2048, "num_layers": 1, "pool": 512}
 
 # SmolLM2-135M-Instruct (the embedded default target), for timing training steps without its GGUF.
 SMOLLM2_135M: dict = {

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from dflash_tfm.config import FULL_ATTENTION, ModelConfig
-from dflash_tfm.loading.errors import CheckpointError, CheckpointNotFoundError
+from dflash_tfm.errors import CheckpointError, CheckpointNotFoundError
 
 SLIDING_ATTENTION = "sliding_attention"
 DFLASH_ARCHITECTURE = "DFlashDraftModel"

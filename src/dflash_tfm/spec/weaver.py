@@ -33,9 +33,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash_tfm.config import ModelConfig
-from dflash_tfm.kernels.tree_growth.reference import pool_logits_plus_residual
+from dflash_tfm.kernels.tree_growth.reference import pool_logits_plus_residual, weaver_norm
 from dflash_tfm.layers.compile import fuse_on_cuda
-from dflash_tfm.loading.errors import CheckpointError, CheckpointNotFoundError
+from dflash_tfm.errors import CheckpointError, CheckpointNotFoundError
 
 ACTIVATIONS = ("swiglu", "gelu")
 ENCODER_MODES = {3: 3, "global_prompt": 3}  # only the "global prompt" encoder exists in released files
@@ -131,9 +131,7 @@ class WeaverNorm(nn.Module):
         self.bias = nn.Parameter(torch.empty(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + NORM_EPS)
-        return (y * self.weight.float() + self.bias.float()).to(x.dtype)
+        return weaver_norm(x, self.weight, self.bias, NORM_EPS)
 
 
 class WeaverBlock(nn.Module):
@@ -189,7 +187,7 @@ def _fill_prefix(h_dflash: torch.Tensor, h_target: torch.Tensor, weaver: Weaver,
 
 
 # Once per tree on CUDA, one compiled function: the prefix's three norms, RoPE and softmax are otherwise ~40
-# launches of a few µs each (docs/PERFORMANCE.md, session 15). Sized by its K + 1 rows.
+# launches of a few µs each (docs/PERFORMANCE.md, speculative step parts). Sized by its K + 1 rows.
 fill_prefix = fuse_on_cuda(_fill_prefix, count_rows=True)
 
 

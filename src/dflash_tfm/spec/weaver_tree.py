@@ -16,14 +16,12 @@ no host sync, CUDA-graph capturable.
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 
+from dflash_tfm.kernels import use_triton
 from dflash_tfm.kernels.tree_growth import reference, weaver_round, weaver_step
 from dflash_tfm.layers.compile import fuse_on_cuda
-from dflash_tfm.layers.measured_choice import MeasuredChoice
-from dflash_tfm.spec.weaver import Weaver, WeaverCache
+from dflash_tfm.spec.weaver import NORM_EPS, Weaver, WeaverCache
 from dflash_tfm.speculative_config import DEFAULT_CHILDREN_PER_NODE
 
 ROUND_UNIT = 16  # nodes per batched Weaver step = ceil(budget / 16)
@@ -75,33 +73,68 @@ def expand_nodes(
     reference.publish_children_reference(logits, pool_ids, depths, scores, frontier_score, frontier_token, nodes)
 
 
+def fused_step_rows(weaver: Weaver, cache: WeaverCache, nodes: torch.Tensor, tokens: torch.Tensor,
+                    depths: torch.Tensor, ancestors: torch.Tensor) -> torch.Tensor:
+    """``Weaver.step`` of node slots ``nodes`` [W] before its ``out_norm`` as five Triton launches per block
+    (``kernels.tree_growth.weaver_step``): x [W, d_rank], the nodes' K/V written into ``cache``. tokens, depths
+    [N] long and ancestors [N, N] bool are the tree's whole buffers (read at ``nodes`` on the device). No node of
+    ``nodes`` may be an ancestor of another (true of a round: see the kernels' module docstring). On a CPU without
+    Triton's interpreter: its twin, ``Weaver.step_rows``."""
+    if not use_triton(nodes):
+        return weaver.step_rows(cache, nodes, tokens[nodes], depths[nodes], ancestors[nodes])
+    cfg = weaver.config
+    W, d = nodes.shape[0], cfg.d_rank
+    if not 1 <= W <= weaver_step.MAX_ROWS:
+        raise ValueError(f"the fused Weaver step takes 1 … {weaver_step.MAX_ROWS} nodes, got {W}")
+    if cfg.head_dim & (cfg.head_dim - 1) or cfg.head_dim < 2:
+        raise ValueError(f"the fused Weaver attention needs a power-of-two head dim, got {cfg.head_dim}")
+    new = lambda cols: torch.empty(W, cols, dtype=weaver.token_table.dtype, device=nodes.device)  # noqa: E731
+    rope = (weaver.rope_cos, weaver.rope_sin) if cfg.rotary else None
+    x = new(d)
+    for layer, block in enumerate(weaver.blocks):
+        qkv, norm_attn = new(3 * d), (block.norm_attn.weight, block.norm_attn.bias, NORM_EPS)
+        if layer == 0:
+            gather = (tokens, nodes, depths, None if cfg.rotary else weaver.pos_emb, x)
+            weaver_step.rows_matmul(weaver.token_table, block.qkv_proj.weight, qkv, norm=norm_attn, gather=gather)
+        else:
+            weaver_step.rows_matmul(x, block.qkv_proj.weight, qkv, norm=norm_attn)
+        attn = new(d)
+        weaver_step.node_attention(qkv, cache.k[layer], cache.v[layer], rope, nodes, depths, ancestors, attn,
+                                   cache.prefix_len, cfg.K)
+        x1 = new(d)
+        weaver_step.rows_matmul(attn, block.o_proj.weight, x1, res=x)
+        up, down = (block.gate_up_proj, block.down_proj) if block.swiglu else (block.fc1, block.fc2)
+        act = new(cfg.mlp_dim)
+        weaver_step.rows_matmul(x1, up.weight, act, norm=(block.norm_mlp.weight, block.norm_mlp.bias, NORM_EPS),
+                                bias=up.bias, act=weaver_step.SWIGLU if block.swiglu else weaver_step.GELU)
+        x = new(d)
+        weaver_step.rows_matmul(act, down.weight, x, bias=down.bias, res=x1)
+    return x
+
+
 def expand_nodes_with_kernels(
     nodes: torch.Tensor, weaver: Weaver, cache: WeaverCache, tokens: torch.Tensor, depths: torch.Tensor,
     ancestors: torch.Tensor, scores: torch.Tensor, pool_ids: torch.Tensor, pool_logits: torch.Tensor,
-    frontier_score: torch.Tensor, frontier_token: torch.Tensor, fused_step: bool = False,
+    frontier_score: torch.Tensor, frontier_token: torch.Tensor,
 ) -> None:
-    """:func:`expand_nodes` with the re-scoring and publishing as two Triton launches. ``fused_step``: the Weaver
-    step too (``kernels.tree_growth.weaver_step``, five launches per block; its output norm then runs inside
-    the re-scoring), else the compiled torch step."""
-    if fused_step:
-        query, norm = weaver_step.weaver_step_rows(weaver, cache, nodes, tokens, depths, ancestors), weaver.out_norm
-    else:
-        query, norm = node_queries_compiled(nodes, weaver, cache, tokens, depths, ancestors), None
-    logits = weaver_round.rescore_pool(weaver.w_res, query, pool_ids, pool_logits, depths, nodes, norm=norm)
+    """:func:`expand_nodes` as Triton launches: the Weaver step (`fused_step_rows`), the re-scoring with the
+    step's output norm in it, and the publishing."""
+    rows = fused_step_rows(weaver, cache, nodes, tokens, depths, ancestors)
+    norm = (weaver.out_norm.weight, weaver.out_norm.bias, NORM_EPS)
+    logits = weaver_round.rescore_pool(weaver.w_res, rows, pool_ids, pool_logits, depths, nodes, norm)
     weaver_round.publish_children(logits, pool_ids, depths, scores, frontier_score, frontier_token, nodes)
 
 
 # On CUDA each is one compiled function: inductor fuses the step's norms, RoPE, softmax and scoring into a few
 # kernels (a round is launch-bound: W ≤ 8 rows).
 expand_nodes_compiled = fuse_on_cuda(expand_nodes)
-node_queries_compiled = fuse_on_cuda(node_queries)
 place_nodes_compiled = fuse_on_cuda(reference.place_nodes_reference)
-# "torch": the compiled functions above; "triton": the round kernels around the compiled Weaver step;
-# "triton_fused": the Weaver step as Triton kernels too (a round is ~8 launches).
-EXPANSIONS = {"torch": expand_nodes_compiled, "triton": expand_nodes_with_kernels,
-              "triton_fused": functools.partial(expand_nodes_with_kernels, fused_step=True)}
+# How a round runs: "torch", the compiled functions above (the twins); "triton_fused", the Triton kernels (a
+# round is ~8 launches). On CUDA the kernels: they built a budget-64 tree in 1.27–1.63 ms where the torch rounds
+# took 2.39–3.15 (and the round kernels around the compiled torch step, since removed, 1.51–1.82; four H200 runs,
+# docs/data/spec_step_h200s1*.json).
+EXPANSIONS = {"torch": expand_nodes_compiled, "triton_fused": expand_nodes_with_kernels}
 ROUND_IMPLEMENTATIONS = tuple(EXPANSIONS)
-round_kernel_choice = MeasuredChoice(default="torch")
 
 
 @torch.no_grad()
@@ -116,9 +149,9 @@ def build_weaver_tree(
     :meth:`Weaver.encode_prefix`). ``pool_size`` defaults to the checkpoint's ``candidate_pool_size`` and is
     clamped to V. Returns tokens, parents, depths ``[budget + 1]`` long (node 0 = root, parent −1; parents
     before children; distinct sibling tokens; depth ≤ K). The chain fallback for budget + 1 ≤ block size is
-    the caller's. ``implementation`` (one of ROUND_IMPLEMENTATIONS; all grow the same tree up to rounding, equal
-    in the fp32 tests): "torch" runs each round as compiled torch ops, "triton" its bookkeeping as the kernels
-    of ``kernels.tree_growth``, "triton_fused" the Weaver step too (``weaver_step``); None (default) = the fastest, timed once per shape on CUDA (``round_kernel_choice``; "torch" elsewhere).
+    the caller's. ``implementation`` (one of ROUND_IMPLEMENTATIONS; both grow the same tree up to rounding, equal
+    in the fp32 tests): "torch" runs each round as compiled torch ops, "triton_fused" as the kernels of
+    ``kernels.tree_growth``; None (default): "triton_fused" on CUDA, "torch" elsewhere (see `EXPANSIONS`).
     """
     K, V = logits.shape
     if K != weaver.config.K or h_dflash.shape[0] != K:
@@ -130,13 +163,7 @@ def build_weaver_tree(
     width = round_width(budget, c)
     check_fillable(budget, width, c, K)
     if implementation is None:
-        def build(name: str):
-            args = (weaver, root_token, logits, h_dflash, h_target, budget, pool, c, name)
-            return lambda: build_weaver_tree(*args)
-
-        key = (budget, pool, c, tuple(logits.shape), weaver.config.d_rank, weaver.w_res.dtype, str(device))
-        implementation = round_kernel_choice.pick(key, lambda: {name: build(name) for name in ROUND_IMPLEMENTATIONS},
-                                                  can_time=logits.is_cuda)
+        implementation = "triton_fused" if logits.is_cuda else "torch"
     if implementation not in ROUND_IMPLEMENTATIONS:
         raise ValueError(f"implementation must be one of {ROUND_IMPLEMENTATIONS}, got {implementation!r}")
 

@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from dflash_tfm import Engine
     from dflash_tfm.bench.datasets import DatasetUnavailable
-    from dflash_tfm.loading.errors import CheckpointError
+    from dflash_tfm.errors import CheckpointError
 
     try:
         if args.prompts_file:

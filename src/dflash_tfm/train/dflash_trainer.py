@@ -448,7 +448,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from dflash_tfm.loading.errors import CheckpointError
+    from dflash_tfm.errors import CheckpointError
 
     # Batch shapes change every step; lazily compiling the layers' small fused helpers (layers/compile.py)
     # for each new shape would cost more than it saves.

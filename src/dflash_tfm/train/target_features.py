@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 from tqdm.auto import tqdm
 
-from dflash_tfm.engine.cache import ModelCache
+from dflash_tfm.models.cache import ModelCache
 from dflash_tfm.models.decoder import CausalLM
 from dflash_tfm.train.shapes import padded_length
 

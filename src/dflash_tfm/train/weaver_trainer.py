@@ -1,4 +1,4 @@
-"""Train a Weaver for a frozen target + DFlash drafter pair (MODELS.md "Weaver", training; issue 5 item 3).
+"""Train a Weaver for a frozen target + DFlash drafter pair (MODELS.md "Weaver", training).
 
 What is learnt: at a committed length L the drafter has seen the context [0, L) and drafts a block whose root is
 the token at L. Along the TRUE continuation (the target-generated tokens at L+1 … L+K of a training row) Weaver's
@@ -447,7 +447,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """``dflash-tfm train-weaver``: load the target and drafter, train, print the held-out metrics."""
-    from dflash_tfm.loading.errors import CheckpointError
+    from dflash_tfm.errors import CheckpointError
     from dflash_tfm.loading.loader import load_target, parse_dtype
     from dflash_tfm.spec.dflash import load_dflash_drafter
 

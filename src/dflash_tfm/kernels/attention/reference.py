@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from dflash_tfm.spec.tree import unpack_bitsets
+from dflash_tfm.tree import unpack_bitsets
 
 
 def check_tree_attention_inputs(

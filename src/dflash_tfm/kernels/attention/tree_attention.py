@@ -3,9 +3,7 @@
 Flash-decoding style: one program per (block of BM query rows, kv head, split of the cache). The rows of a
 block are (node, query head of the group) pairs, so GQA query heads share every K/V tile they read. Each
 split runs an online softmax (fp32) over its slice of the cache; the last split also covers the N tree
-keys, masked by the ancestor bitsets, so every row has at least one key (itself) — or, with ``tree_split``,
-one more split covers only the tree keys, so no program walks a cache slice and the tree. With more than one
-split the partial outputs and log-sum-exps are merged by a second small kernel. A gated attention layer's
+keys, masked by the ancestor bitsets, so every row has at least one key (itself). With more than one split the partial outputs and log-sum-exps are merged by a second small kernel. A gated attention layer's
 output gate (``o · sigmoid(gate)``) is applied by whichever kernel stores the output. Shapes: ``reference.py``.
 """
 from __future__ import annotations
@@ -48,11 +46,11 @@ def _tree_attention_kernel(
     sq_b, sq_n, sq_h, sc_b, sc_s, sc_h, svc_b, svc_s, svc_h, st_b, st_n, st_h, svt_b, svt_n, svt_h,
     sg_b, sg_n, sg_h,
     G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-    SPLITS: tl.constexpr, TREE_PART: tl.constexpr, GATED: tl.constexpr,
+    SPLITS: tl.constexpr, GATED: tl.constexpr,
 ):
-    """Grid (cdiv(N·G, BM), B·HKV, P) with P = SPLITS cache splits + TREE_PART (0 or 1) tree-only split; the
-    last of the P takes the tree keys. o: [B, N, H, D]; o_part: [P, B, N, H, D] fp32, lse_part: [P, B, N, H]
-    fp32 (log2 domain), used only when P > 1. GATED (P = 1): o · sigmoid(gate), gate [B, N, H, D] strided."""
+    """Grid (cdiv(N·G, BM), B·HKV, SPLITS); the last split also takes the tree keys. o: [B, N, H, D]; o_part:
+    [SPLITS, B, N, H, D] fp32, lse_part: [SPLITS, B, N, H] fp32 (log2 domain), used only when SPLITS > 1.
+    GATED (SPLITS = 1): o · sigmoid(gate), gate [B, N, H, D] strided."""
     b = tl.program_id(1) // HKV
     kvh = tl.program_id(1) % HKV
     split = tl.program_id(2)
@@ -69,7 +67,7 @@ def _tree_attention_kernel(
     l_i = tl.zeros([BM], dtype=tl.float32)
     L = tl.load(lens + b).to(tl.int32)
     per_split = tl.cdiv(tl.cdiv(L, SPLITS), BN) * BN
-    lo = tl.minimum(split * per_split, L)  # the tree-only split (split = SPLITS) gets an empty cache slice
+    lo = tl.minimum(split * per_split, L)
     hi = tl.minimum(lo + per_split, L)
     for start in range(lo, hi, BN):
         cols = start + tl.arange(0, BN)
@@ -78,7 +76,7 @@ def _tree_attention_kernel(
         v_t = tl.load(v_cache + b * svc_b + cols[:, None] * svc_s + kvh * svc_h + offs_d[None, :], mask=km, other=0.0)
         acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, q_t, k_t, v_t, (cols < hi)[None, :], qk_scale)
     last_node = tl.minimum((tl.program_id(0) + 1) * BM - 1, N * G - 1) // G  # ancestors precede: no key past it
-    tree_hi = tl.where(split == SPLITS + TREE_PART - 1, last_node + 1, 0)
+    tree_hi = tl.where(split == SPLITS - 1, last_node + 1, 0)
     for start in range(0, tree_hi, BN):
         cols = start + tl.arange(0, BN)
         km = (cols[:, None] < N) & dm[None, :]
@@ -88,7 +86,7 @@ def _tree_attention_kernel(
         allowed = (((word[:, None] >> (cols % 64).to(tl.int64)[None, :]) & 1) != 0) & (cols[None, :] < N)
         acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, q_t, k_t, v_t, allowed, qk_scale)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    if SPLITS + TREE_PART == 1:
+    if SPLITS == 1:
         if GATED:
             rows = gate + b * sg_b + node * sg_n + head * sg_h
             out = _gated(out, rows[:, None] + offs_d[None, :], rm[:, None] & dm[None, :], o.dtype.element_ty)
@@ -101,18 +99,16 @@ def _tree_attention_kernel(
 
 
 @triton.jit
-def _merge_splits_kernel(o_part, lse_part, gate, o, ROWS, PARTS, N, H, sg_b, sg_n, sg_h, D: tl.constexpr,
-                         BD: tl.constexpr, BP: tl.constexpr, GATED: tl.constexpr):
-    """Grid (B·N·H,). Softmax-weighted sum of the PARTS split outputs (BP = next power of 2) of one (node, head)
-    row; GATED: times sigmoid(gate) as in `_tree_attention_kernel`."""
+def _merge_splits_kernel(o_part, lse_part, gate, o, ROWS, N, H, sg_b, sg_n, sg_h, D: tl.constexpr,
+                         BD: tl.constexpr, SPLITS: tl.constexpr, GATED: tl.constexpr):
+    """Grid (B·N·H,). Softmax-weighted sum of the SPLITS (a power of two) split outputs of one (node, head) row;
+    GATED: times sigmoid(gate) as in `_tree_attention_kernel`."""
     r = tl.program_id(0)
-    offs_s = tl.arange(0, BP)
-    sm = offs_s < PARTS
+    offs_s = tl.arange(0, SPLITS)
     offs_d = tl.arange(0, BD)
-    lse = tl.load(lse_part + offs_s * ROWS + r, mask=sm, other=float("-inf"))
+    lse = tl.load(lse_part + offs_s * ROWS + r)
     w = tl.exp2(lse - tl.max(lse, axis=0))
-    part = tl.load(o_part + (offs_s[:, None] * ROWS + r) * D + offs_d[None, :],
-                   mask=sm[:, None] & (offs_d[None, :] < D), other=0.0)
+    part = tl.load(o_part + (offs_s[:, None] * ROWS + r) * D + offs_d[None, :], mask=offs_d[None, :] < D, other=0.0)
     out = tl.sum(part * w[:, None], axis=0) / tl.sum(w, axis=0)
     if GATED:  # r = (b·N + node)·H + head
         row = gate + (r // (N * H)) * sg_b + (r // H % N) * sg_n + (r % H) * sg_h
@@ -135,7 +131,7 @@ def tree_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_len: int | torch.Tensor,
     k_tree: torch.Tensor, v_tree: torch.Tensor, ancestor_bitsets: torch.Tensor, scale: float | None = None,
     num_splits: int | None = None, block_n: int | None = None, block_m: int | None = None,
-    num_stages: int | None = None, tree_split: bool = False, gate: torch.Tensor | None = None,
+    num_stages: int | None = None, gate: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of N tree nodes over the committed cache plus their ancestors-and-self (GQA).
 
@@ -144,8 +140,7 @@ def tree_attention(
     scale defaults to ``D**-0.5``; ``num_splits`` (a power of two) overrides the cache split heuristic,
     ``block_n`` (16, 32, 64) the keys per tile (default 32 at head dim > 128, else 64), ``block_m`` (16 … 128)
     the (node, head) rows per program (default: as few as the rows need, ≤ 64), ``num_stages`` Triton's
-    software pipelining depth of the key loop, ``tree_split`` gives the tree keys a split of their own (with
-    more than one cache split: the last one then walks its cache slice only). Returns ``o [B, N, H, D]`` in q's
+    software pipelining depth of the key loop. Returns ``o [B, N, H, D]`` in q's
     dtype; with ``gate`` (q's shape, any strides: e.g. the gate half of a gated layer's q projection)
     ``o · sigmoid(gate)`` instead, computed in fp32 from the rounded o, so the layer needs no gate kernel.
     """
@@ -173,21 +168,19 @@ def tree_attention(
     splits = num_splits or _num_splits(m_blocks * B * Hkv, max_len, q.device)
     if splits & (splits - 1):
         raise ValueError(f"num_splits must be a power of two, got {splits}")
-    tree_part = int(tree_split and splits > 1)
-    parts = splits + tree_part
     o = torch.empty(B, N, H, D, dtype=q.dtype, device=q.device)
-    part_shape = (parts, B, N, H) if parts > 1 else (1,)
+    part_shape = (splits, B, N, H) if splits > 1 else (1,)
     o_part = torch.empty(*part_shape, D, dtype=torch.float32, device=q.device)
     lse_part = torch.empty(part_shape, dtype=torch.float32, device=q.device)
-    _tree_attention_kernel[(m_blocks, B * Hkv, parts)](
+    _tree_attention_kernel[(m_blocks, B * Hkv, splits)](
         q, k_cache, v_cache, lens, k_tree, v_tree, ancestor_bitsets.contiguous(), gate, o, o_part, lse_part,
         N, H, Hkv, ancestor_bitsets.shape[-1], scale * math.log2(math.e),
         *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3], *k_tree.stride()[:3], *v_tree.stride()[:3],
-        *gate.stride()[:3], G=G, D=D, BD=BD, BM=BM, BN=BN, SPLITS=splits, TREE_PART=tree_part, GATED=gated,
+        *gate.stride()[:3], G=G, D=D, BD=BD, BM=BM, BN=BN, SPLITS=splits, GATED=gated,
         num_warps=8 if BD >= 128 else 4, **({} if num_stages is None else {"num_stages": num_stages}))
-    if parts > 1:
-        _merge_splits_kernel[(B * N * H,)](o_part, lse_part, gate, o, B * N * H, parts, N, H, *gate.stride()[:3],
-                                           D=D, BD=BD, BP=triton.next_power_of_2(parts), GATED=gated)
+    if splits > 1:
+        _merge_splits_kernel[(B * N * H,)](o_part, lse_part, gate, o, B * N * H, N, H, *gate.stride()[:3],
+                                           D=D, BD=BD, SPLITS=splits, GATED=gated)
     return o
 
 

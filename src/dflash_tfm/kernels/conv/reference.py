@@ -1,4 +1,5 @@
-"""Pure-PyTorch twins of the tree causal conv1d kernels (width 4, depthwise, SiLU).
+"""Pure-PyTorch twins of the tree causal conv1d kernels (width 4, depthwise, SiLU), and the plain causal conv of
+prefill and decode (`causal_conv1d`).
 
 Node i's conv input window is its own input and those of its 3 nearest ancestors; positions above the root
 read the committed window ``c0`` (most recent last), so every node sees exactly what plain causal conv
@@ -12,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from dflash_tfm.spec.tree import ancestor_chain
+from dflash_tfm.tree import ancestor_chain
 
 WIDTH = 4
 
@@ -73,3 +74,17 @@ def tree_conv_commit_reference(
     chain = ancestor_chain(parents, last[:, None], WIDTH - 1)              # [B, 1, 3], most recent first
     inputs = _gather_inputs(x, conv_window, chain)[:, 0]                   # [B, 3, C]
     return inputs.flip(1).transpose(1, 2).to(conv_window.dtype)
+
+
+def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, window: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [B, T, C], weight [C, K], window [B, C, K-1] (oldest first) -> (silu(conv) [B, T, C], new window).
+
+    y_t = silu(sum_s weight[:, s] * x_{t-K+1+s}) with fp32 accumulation (like cuDNN's conv1d); inputs
+    before the first token come from `window`, so prefill (zero window) and decode share one code path.
+    Written as unfold + weighted sum so inductor fuses it with its neighbours.
+    """
+    K = weight.shape[1]
+    T = x.shape[1]
+    xs = torch.cat((window.to(x.dtype), x.transpose(1, 2)), dim=-1)  # [B, C, K-1+T]
+    y = (xs.float().unfold(-1, K, 1) * weight.float().unsqueeze(1)).sum(-1)  # [B, C, T]
+    return F.silu(y).to(x.dtype).transpose(1, 2), xs[:, :, T:]

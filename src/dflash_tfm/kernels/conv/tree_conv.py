@@ -19,7 +19,7 @@ from dflash_tfm.kernels.conv.reference import (
     tree_causal_conv1d_reference,
     tree_conv_commit_reference,
 )
-from dflash_tfm.spec.tree import nearest_ancestors
+from dflash_tfm.tree import nearest_ancestors
 
 
 @triton.jit

@@ -39,9 +39,9 @@ import triton
 import triton.language as tl
 
 from dflash_tfm.kernels import use_triton
-from dflash_tfm.kernels.gdn.reference import gdn_recurrent_reference
+from dflash_tfm.kernels.gdn.reference import gdn_inputs, gdn_recurrent_reference
+from dflash_tfm.kernels.norm.reference import gated_rms_norm
 from dflash_tfm.kernels.rounding import round_to
-from dflash_tfm.layers.norm import gated_rms_norm
 
 CONV_WIDTH = 4
 
@@ -304,16 +304,14 @@ def gdn_fused_decode_reference(
     ``gdn_inputs`` → ``conv_window.copy_(new_window)`` (or into ``window_out``) → recurrent GDN step (state
     updated in place) → ``gated_rms_norm``. Returns ``y [B, 1, hv·dv]`` in proj's dtype.
     """
-    from dflash_tfm.layers.gated_deltanet import gdn_inputs  # lazy: gated_deltanet imports this module
-
     B = _check_shapes(proj, conv_weight, conv_window, A_log, dt_bias, norm_weight, state, hk, dk, hv, dv)
     out = _check_out(out, proj, B, hv, dv)
-    q, k, v, z, beta, g, new_window = gdn_inputs.__wrapped__(
+    q, k, v, z, beta, g, new_window = gdn_inputs(
         proj, conv_weight, conv_window, A_log, dt_bias, hk, dk, hv, dv)
     (conv_window if window_out is None else window_out).copy_(new_window)
     o, final_state = gdn_recurrent_reference(q, k, v, g, beta, state)
     state.copy_(final_state)
-    y = gated_rms_norm.__wrapped__(o, z, norm_weight, eps)
+    y = gated_rms_norm(o, z, norm_weight, eps)
     return out.copy_(y.reshape(B, 1, hv * dv))
 
 

@@ -8,7 +8,8 @@ Shapes (shared by all GDN kernels): ``q, k [B, T, HK, dk]`` already L2-normalise
 with grouped values (``HV = r·HK``, value head ``j`` reads q/k head ``j // r``); ``g`` (log decay, ≤ 0) and
 ``β`` ``[B, T, HV]``; state ``[B, HV, dk, dv]`` fp32. ``scale`` defaults to ``dk**-0.5``.
 
-``gdn_recurrent_reference`` is the token-by-token definition. ``gdn_chunk_reference`` is the chunked
+``gdn_inputs`` is everything between a layer's input projection and the recurrence (split, short conv, SiLU,
+l2norm, β, g). ``gdn_recurrent_reference`` is the token-by-token definition. ``gdn_chunk_reference`` is the chunked
 (WY / UT-transform) form, exact in fp32 and fast enough to be the engine's CPU prefill path. Neither
 function modifies its inputs; both return ``o`` in ``v``'s dtype and the final state in fp32.
 """
@@ -17,7 +18,47 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from dflash_tfm.kernels.conv.reference import causal_conv1d
+
 F32 = torch.float32
+
+
+def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """`x * rsqrt(sum x^2 + eps)` in fp32, the form transformers and fla use."""
+    xf = x.float()
+    return xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)
+
+
+def split_projection(
+    proj: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, conv_dim: int, hv: int, dv: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """in_proj output [B, T, *] -> (conv input [B, T, conv_dim], z [B, T, HV, dv], beta, g [B, T, HV] fp32)."""
+    B, T, _ = proj.shape
+    mixed, z, b, a = proj.split([conv_dim, hv * dv, hv, hv], dim=-1)
+    beta = torch.sigmoid(b).float()
+    g = -A_log.float().exp() * F.softplus(a.float() + dt_bias.float())
+    return mixed, z.reshape(B, T, hv, dv), beta, g
+
+
+def split_heads(conv_out: torch.Tensor, hk: int, dk: int, hv: int, dv: int) -> tuple[torch.Tensor, ...]:
+    """conv output [B, T, conv_dim] -> q, k [B, T, HK, dk] (L2-normalised) and v [B, T, HV, dv]."""
+    B, T, _ = conv_out.shape
+    q, k, v = conv_out.split([hk * dk, hk * dk, hv * dv], dim=-1)
+    dtype = conv_out.dtype
+    q = l2_normalize(q.reshape(B, T, hk, dk)).to(dtype)
+    k = l2_normalize(k.reshape(B, T, hk, dk)).to(dtype)
+    return q, k, v.reshape(B, T, hv, dv)
+
+
+def gdn_inputs(
+    proj: torch.Tensor, conv_weight: torch.Tensor, conv_window: torch.Tensor, A_log: torch.Tensor,
+    dt_bias: torch.Tensor, hk: int, dk: int, hv: int, dv: int,
+) -> tuple[torch.Tensor, ...]:
+    """in_proj output -> (q, k, v, z, beta, g, new conv window) for T tokens following `conv_window`."""
+    mixed, z, beta, g = split_projection(proj, A_log, dt_bias, 2 * hk * dk + hv * dv, hv, dv)
+    conv_out, new_window = causal_conv1d(mixed, conv_weight, conv_window)
+    q, k, v = split_heads(conv_out, hk, dk, hv, dv)
+    return q, k, v, z, beta, g, new_window
 
 
 def gdn_shapes(

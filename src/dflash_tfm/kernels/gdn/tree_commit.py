@@ -14,12 +14,11 @@ import triton.language as tl
 
 from dflash_tfm.kernels import use_triton
 from dflash_tfm.kernels.gdn.tree_reference import GDNTreeContext, gdn_tree_commit_reference
-from dflash_tfm.layers.measured_choice import MeasuredChoice
 
-# The fold streams the state (302 MB for all 48 GDN layers of Qwen3.6-27B, read and written): launch shapes
-# (dv block, warps) it is also timed with, on a scratch output (the real call may update the state in place).
-FOLD_TILES = {"default": (32, 4), "v16": (16, 4), "v64": (64, 4), "v64 w8": (64, 8), "v128 w8": (128, 8)}
-fold_choice = MeasuredChoice(default="default")
+# The fold streams the state (302 MB for all 48 GDN layers of Qwen3.6-27B, read and written). Its launch shape, a
+# dv block of 64 with 4 warps, was the fastest in every recorded H200 run: 0.100–0.106 ms for the 48 layers
+# against 0.118–0.122 with 32-wide blocks and 0.114–0.140 with 8 warps (docs/data/spec_step_h200s15_*.json).
+FOLD_BLOCK_V, FOLD_WARPS = 64, 4
 
 
 @triton.jit
@@ -92,17 +91,9 @@ def gdn_tree_commit(ctx: GDNTreeContext, accepted: torch.Tensor, out: torch.Tens
     acc = acc.view(torch.uint8) if acc.dtype == torch.bool else acc.to(torch.uint8)
     out = torch.empty(B, HV, dk, dv, dtype=torch.float32, device=S0.device) if out is None else out
 
-    def launch(tile: str, dst: torch.Tensor) -> None:
-        BV, warps = FOLD_TILES[tile]
-        BV = min(BV, max(16, triton.next_power_of_2(dv)))
-        _gdn_tree_fold_kernel[(triton.cdiv(dv, BV), B * HV)](
-            k, ctx.u, ctx.G, acc, S0, dst, N, HK, HV // HK, paths, *k.stride()[:3], *S0.stride()[:3],
-            DK=dk, DV=dv, BK=max(16, triton.next_power_of_2(dk)), BV=BV, BP=16,
-            NPOW=max(16, triton.next_power_of_2(N)), num_warps=warps)
-
-    def candidates() -> dict:
-        scratch = torch.empty_like(out)
-        return {t: (lambda t=t: launch(t, scratch)) for t in FOLD_TILES}
-
-    launch(fold_choice.pick((B, HV, dk, dv, N, k.dtype), candidates, can_time=S0.is_cuda), out)
+    BV = min(FOLD_BLOCK_V, max(16, triton.next_power_of_2(dv)))
+    _gdn_tree_fold_kernel[(triton.cdiv(dv, BV), B * HV)](
+        k, ctx.u, ctx.G, acc, S0, out, N, HK, HV // HK, paths, *k.stride()[:3], *S0.stride()[:3],
+        DK=dk, DV=dv, BK=max(16, triton.next_power_of_2(dk)), BV=BV, BP=16,
+        NPOW=max(16, triton.next_power_of_2(N)), num_warps=FOLD_WARPS)
     return out

@@ -20,6 +20,7 @@ from dflash_tfm.kernels import use_triton
 from dflash_tfm.kernels.conv.reference import WIDTH, check_tree_conv_inputs, tree_causal_conv1d_reference
 from dflash_tfm.kernels.conv.tree_conv import taps_table, tree_conv_row, unit_stride
 from dflash_tfm.kernels.gdn.fused_decode import gdn_gates
+from dflash_tfm.kernels.gdn.reference import split_heads, split_projection
 from dflash_tfm.kernels.rounding import round_to
 
 MAX_BLOCK = 1024  # channels per program
@@ -92,8 +93,6 @@ def gdn_tree_inputs_reference(
     keep_input: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """The unfused composition the kernel reproduces -> (q, k, v, z, beta, g)."""
-    from dflash_tfm.layers.gated_deltanet import split_heads, split_projection  # the layer imports the kernels
-
     mixed, z, beta, g = split_projection(proj, A_log, dt_bias, 2 * hk * dk + hv * dv, hv, dv)
     if keep_input is not None:
         keep_input.copy_(mixed)

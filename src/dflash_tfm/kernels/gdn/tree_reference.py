@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dflash_tfm.spec.tree import ancestor_mask, unpack_bitsets
+from dflash_tfm.tree import ancestor_mask, unpack_bitsets
 
 F32 = torch.float32
 
@@ -35,17 +35,6 @@ class GDNTreeContext:
     u: torch.Tensor | None = None
     G: torch.Tensor | None = None
     snapshots: torch.Tensor | None = None
-
-
-@dataclass(frozen=True)
-class GramTiles:
-    """A chunk solve's Gram matrices per key head, ``kk`` (K·Kᵀ on strict ancestors) and ``qk`` (scale·Q·Kᵀ on
-    ancestors and self), ``[B, HK, NP, NP]`` fp32 with NP = N rounded up to the row block (only the tiles on
-    and below the block diagonal are meaningful), and the path log-decays ``G [B, N, HV]`` fp32."""
-
-    kk: torch.Tensor
-    qk: torch.Tensor
-    G: torch.Tensor
 
 
 def check_gdn_tree_inputs(
@@ -98,24 +87,6 @@ def gdn_tree_verify_reference(
     O = Gh.exp()[..., None] * (qh @ S0) + (QK * D) @ U
     ctx = GDNTreeContext(initial_state=initial_state, k=k, u=U.transpose(1, 2).contiguous(), G=G)
     return O.transpose(1, 2).to(v.dtype), ctx
-
-
-def tree_gram_reference(
-    q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, ancestors: torch.Tensor, scale: float, block_size: int,
-) -> GramTiles:
-    """The twin of the Gram programs: q, k ``[B, N, HK, dk]``, g ``[B, N, HV]``, bitsets ``[B, N, W]`` → the
-    tiles (zero outside the masks and in the padding) and G, in fp32."""
-    B, N, HK, _ = q.shape
-    NP = -(-N // block_size) * block_size
-    mask = unpack_bitsets(ancestors, N)                                        # [B, N, N] anc⁺
-    strict = mask & ~torch.eye(N, dtype=torch.bool, device=q.device)
-    qf, kf = q.float().transpose(1, 2), k.float().transpose(1, 2)             # [B, HK, N, dk]
-    kk = torch.zeros(B, HK, NP, NP, device=q.device)
-    qk = torch.zeros_like(kk)
-    kk[..., :N, :N] = (kf @ kf.transpose(-1, -2)) * strict[:, None]
-    qk[..., :N, :N] = scale * (qf @ kf.transpose(-1, -2)) * mask[:, None]
-    G = torch.einsum("bij,bjh->bih", mask.float(), g.float())
-    return GramTiles(kk=kk, qk=qk, G=G)
 
 
 def deepest_accepted(accepted: torch.Tensor) -> torch.Tensor:

@@ -1,25 +1,15 @@
 """Gated DeltaNet tree verification: every node's output from the committed state, no state written.
 
-``kernel="chunk"`` (the fast path, KERNELS.md steps 1–4) has two solvers (``solve=``):
+``kernel="chunk"`` (the fast path, KERNELS.md steps 1–4) takes three launches, the two before the last taking
+everything that does not depend on earlier solved rows off the serial path:
 
-``"subst"`` (two launches):
-
-1. ``_gdn_tree_gram_kernel``, one program per (row block of BT nodes, key head) — or per (row block, column
-   block, key head) with ``gram_pairs=True`` —: the ancestor-masked Gram tiles ``KKᵀ`` (strict ancestors) and
-   ``scale·QKᵀ`` (ancestors and self), computed once per KEY head and shared by its value heads, and the path
-   log-decay ``G = P g`` of those value heads.
-2. ``_gdn_tree_solve_kernel``, one program per (value head, dv block): block forward substitution over
-   row blocks of BT = 16 (or 32) nodes. For row block i: ``rhs = β(V − e^G K S0)`` and ``O = e^G Q S0``
-   (tl.dot with the state block, over dk chunks), minus/plus the already solved blocks j < i, then the
-   diagonal block is inverted by repeated squaring of its nilpotent part,
-   ``(I + A)⁻¹ = (I − A)(I + A²)(I + A⁴)(I + A⁸)`` for BT = 16. Solved rows ``U_i`` go to the fold
-   context and are re-read (after a CTA barrier) by later row blocks of the same program.
-
-``"split"`` (three launches) takes everything that does not depend on earlier solved rows off the serial path:
-
-1. the same Gram kernel;
+1. ``_gdn_tree_gram_kernel``, one program per (row block of BT nodes, column block, key head): the
+   ancestor-masked Gram tiles ``KKᵀ`` (strict ancestors) and ``scale·QKᵀ`` (ancestors and self), computed once
+   per KEY head and shared by its value heads, and (column block 0) the path log-decay ``G = P g`` of those
+   value heads;
 2. ``_gdn_tree_prep_kernel``, one program per (row block i, dv block, value head), all independent: the
-   diagonal block inverse ``T_i = (I + A_ii)⁻¹`` (repeated squaring as above), the state products
+   diagonal block inverse ``T_i = (I + A_ii)⁻¹`` by repeated squaring of its nilpotent part,
+   ``(I + A)⁻¹ = (I − A)(I + A²)(I + A⁴)(I + A⁸)`` for BT = 16, the state products
    ``W_i = T_i β_i(V_i − e^G_i K_i S0)`` (written into ``u``) and ``O0_i = e^G_i Q_i S0`` (fp32 scratch), and
    per value head the tiles ``Ã_ij = T_i A_ij`` (j < i) and ``M_ij = (QKᵀ ∘ D)_ij`` (j ≤ i), shared
    round-robin by the dv-block programs of a row block;
@@ -27,37 +17,32 @@
    ``U_i = W_i − Σ_{j<i} Ã_ij U_j`` and ``O_i = O0_i + Σ_{j≤i} M_ij U_j`` (JW columns of solved rows per dot),
    in place in ``u``.
 
-With ``fuse_gram=True`` step 1 disappears: ``_gdn_tree_prep_fused_kernel`` computes its Gram tiles (per value
-head) and G from q, k, g and the bitsets itself, using ``G_i − G_c = G_i − Σ_{m ∈ anc⁺(i), m ≤ c} g_m`` for
-c ∈ anc⁺(i) (a prefix sum along row i's own path), so no program needs another row's G.
+The kernels are compiled once for all N (``do_not_specialize``). This split solver replaced a serial one (the
+whole substitution, state products included, in one launch after the Gram tiles: 64.4 against 56.6 µs per
+layer at N = 65 on the H200, docs/PERFORMANCE.md); the sweeps' other losers (a row-block Gram, the Gram tiles
+recomputed inside the prep, the front that fused the Gram kernel with the verify inputs) were removed.
 
-The chunk kernels are compiled once for all N (``do_not_specialize``), except the fused one (per power of 2).
-
-Precision: ``precision`` is the ``tl.dot`` input precision of the products with the state (K·S0, Q·S0, the
-only large ones), ``solve_precision`` that of every other dot (Gram tiles, block inverses, substitution).
-``"ieee"`` is fp32 (no TF32 rounding; bf16 inputs are upcast), ``"tf32x3"`` uses tensor cores at about fp32
-accuracy, ``"tf32"`` rounds the inputs to 10 mantissa bits; under Triton's CPU interpreter all three run as
-fp32. The state products default to "tf32", the rest to "tf32" for 16-bit inputs of large trees and "ieee"
-otherwise (``gdn_tree_verify``).
+Precision (`ChunkSolve`): ``precision`` is the ``tl.dot`` input precision of the products with the state (K·S0,
+Q·S0, the only large ones), ``solve_precision`` that of every other dot (Gram tiles, block inverses,
+substitution). ``"ieee"`` is fp32 (no TF32 rounding; bf16 inputs are upcast), ``"tf32x3"`` uses tensor cores at
+about fp32 accuracy, ``"tf32"`` rounds the inputs to 10 mantissa bits; under Triton's CPU interpreter all three
+run as fp32. The state products default to "tf32", the rest to "tf32" for 16-bit inputs of large trees and
+"ieee" otherwise (`default_solve_precision`).
 
 ``kernel="recurrent"`` is the baseline to beat: it steps through the nodes in order, keeping a state snapshot
 per node (node i starts from its parent's).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
 from dflash_tfm.kernels import TRITON_INTERPRETED, use_triton
-from dflash_tfm.kernels.gdn.fused_decode import gdn_decay
-from dflash_tfm.kernels.gdn.tree_reference import (
-    GDNTreeContext,
-    GramTiles,
-    check_gdn_tree_inputs,
-    gdn_tree_verify_reference,
-)
-from dflash_tfm.spec.tree import ancestor_bitsets
+from dflash_tfm.kernels.gdn.tree_reference import GDNTreeContext, check_gdn_tree_inputs, gdn_tree_verify_reference
+from dflash_tfm.tree import ancestor_bitsets
 
 PRECISIONS = ("ieee", "tf32", "tf32x3")
 
@@ -87,7 +72,7 @@ def _gram_tiles(q_i, k_i, k_j, scale, PREC: tl.constexpr, NATIVE: tl.constexpr):
 
 
 @triton.jit
-def store_gram_tile(kk, qk, bits, q_i, k_i, k_j, rows, j, bh, N, W, NP, scale, BT: tl.constexpr,
+def _store_gram_tile(kk, qk, bits, q_i, k_i, k_j, rows, j, bh, N, W, NP, scale, BT: tl.constexpr,
                     PREC: tl.constexpr, NATIVE: tl.constexpr):
     """Tile (row block ``rows``, column block j) of key head bh's Gram matrices [NP, NP]: K·Kᵀ on strict
     ancestors and scale·Q·Kᵀ on ancestors-and-self, zero elsewhere (bits: this batch entry's bitsets)."""
@@ -106,11 +91,11 @@ def _gdn_tree_gram_kernel(
     N, W, HK, R, NP, scale,
     sq_b, sq_n, sq_h, sk_b, sk_n, sk_h, sg_b, sg_n, sg_h,
     DK: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, RP: tl.constexpr,
-    PAIRS: tl.constexpr, PREC: tl.constexpr, NATIVE: tl.constexpr,
+    PREC: tl.constexpr, NATIVE: tl.constexpr,
 ):
-    """Grid (cdiv(N, BT), B·HK) — or (cdiv(N, BT), B·HK, cdiv(N, BT)) with PAIRS: one column block per program
-    (programs above the diagonal do nothing; column block 0 also sums G). kk, qk: [B, HK, NP, NP] fp32 (lower
-    block triangle written); G: [B, N, HV]. NATIVE: see _gram_tiles."""
+    """Grid (cdiv(N, BT), B·HK, cdiv(N, BT)): row block i, column block j (programs above the diagonal do
+    nothing; column block 0 also sums G). kk, qk: [B, HK, NP, NP] fp32 (lower block triangle written); G:
+    [B, N, HV]. NATIVE: see _gram_tiles."""
     i = tl.program_id(0)
     b = tl.program_id(1) // HK
     h = tl.program_id(1) % HK
@@ -121,30 +106,23 @@ def _gdn_tree_gram_kernel(
     k_i = tl.load(k + b * sk_b + rows[:, None] * sk_n + h * sk_h + offs_k[None, :], mask=ld, other=0.0)
     if not NATIVE:
         q_i, k_i = q_i.to(tl.float32), k_i.to(tl.float32)
-    if PAIRS:
-        j_lo = tl.program_id(2)
-        j_hi = tl.minimum(j_lo + 1, i + 1)  # empty above the diagonal
-    else:
-        j_lo = 0
-        j_hi = i + 1
-    for j in range(j_lo, j_hi):
+    j_lo = tl.program_id(2)
+    for j in range(j_lo, tl.minimum(j_lo + 1, i + 1)):  # empty above the diagonal
         cols = j * BT + tl.arange(0, BT)
         ldj = (cols[:, None] < N) & (offs_k[None, :] < DK)
         k_j = tl.load(k + b * sk_b + cols[:, None] * sk_n + h * sk_h + offs_k[None, :], mask=ldj, other=0.0)
-        store_gram_tile(kk, qk, bits + b * N * W, q_i, k_i, k_j, rows, j, b * HK + h, N, W, NP, scale, BT, PREC,
+        _store_gram_tile(kk, qk, bits + b * N * W, q_i, k_i, k_j, rows, j, b * HK + h, N, W, NP, scale, BT, PREC,
                         NATIVE)
-    if j_lo == 0:  # G of this row block's value heads (with PAIRS: in its column-block-0 program)
-        path_decay_rows(g, bits + b * N * W, G + b * N * HK * R, rows, N, W, h * R, R, HK * R, b * sg_b, sg_n, sg_h,
-                        g, g, RP, False)  # g itself: no a_log, dt_bias needed
+    if j_lo == 0:  # G of this row block's value heads
+        _path_decay_rows(g, bits + b * N * W, G + b * N * HK * R, rows, N, W, h * R, R, HK * R, b * sg_b, sg_n,
+                         sg_h, RP)
 
 
 @triton.jit
-def path_decay_rows(g, bits, G, rows, N, W, h0, R, HV, g_off, sg_n, sg_h, a_log, dt_bias, RP: tl.constexpr,
-                    FROM_A: tl.constexpr):
+def _path_decay_rows(g, bits, G, rows, N, W, h0, R, HV, g_off, sg_n, sg_h, RP: tl.constexpr):
     """G[rows, h0 + r] = Σ_{m ∈ anc⁺(row)} g[m, h0 + r] for r < R, one bitset word (64 nodes) per step: each
     step is one 0/1-masked dot ([rows, 64] · [64, heads], fp32 FMA), so there is no serial chain of loads per
-    column block. G: [N, HV] of one batch entry; RP ≥ 16 (a dot's width) covers R. FROM_A: ``g`` points at the
-    raw ``a`` projections instead, turned into g here (`gdn_decay` with ``a_log``, ``dt_bias`` [HV])."""
+    column block. G: [N, HV] of one batch entry; RP ≥ 16 (a dot's width) covers R."""
     heads = h0 + tl.arange(0, RP)
     hmask = tl.arange(0, RP) < R
     offs = tl.arange(0, 64)
@@ -155,75 +133,8 @@ def path_decay_rows(g, bits, G, rows, N, W, h0, R, HV, g_off, sg_n, sg_h, a_log,
         anc = ((word[:, None] >> offs.to(tl.int64)[None, :]) & 1).to(tl.float32)
         gm = (cols[:, None] < N) & hmask[None, :]
         g_w = tl.load(g + g_off + cols[:, None] * sg_n + heads[None, :] * sg_h, mask=gm, other=0.0).to(tl.float32)
-        if FROM_A:
-            bias = tl.load(dt_bias + heads, mask=hmask, other=0.0).to(tl.float32)
-            decay = tl.load(a_log + heads, mask=hmask, other=0.0).to(tl.float32)
-            g_w = tl.where(gm, gdn_decay(g_w, bias[None, :], decay[None, :]), 0.0)
         G_i += tl.dot(anc, g_w, input_precision="ieee")
     tl.store(G + rows[:, None] * HV + heads[None, :], G_i, mask=(rows[:, None] < N) & hmask[None, :])
-
-
-@triton.jit(do_not_specialize=["N"])  # one compile for every tree size
-def _gdn_tree_solve_kernel(
-    q, k, v, beta, S0, kk, qk, G, u, o,
-    N, HK, R, NP, scale,
-    sq_b, sq_n, sq_h, sk_b, sk_n, sk_h, sv_b, sv_n, sv_h, sb_b, sb_n, sb_h, ss_b, ss_h, ss_k,
-    DK: tl.constexpr, DV: tl.constexpr, BKC: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
-    LOG_BT: tl.constexpr, PREC: tl.constexpr, SPREC: tl.constexpr,
-):
-    """solve="subst". Grid (cdiv(dv, BV), B·HV). u: [B, N, HV, dv] fp32 (written, then re-read); o: [B, N, HV, dv]."""
-    HV = HK * R
-    b = tl.program_id(1) // HV
-    hv = tl.program_id(1) % HV
-    hk = hv // R
-    offs_v = tl.program_id(0) * BV + tl.arange(0, BV)
-    vm = offs_v < DV
-    S_bh = S0 + b * ss_b + hv * ss_h
-    gram = kk + (b * HK + hk) * NP * NP
-    qgram = qk + (b * HK + hk) * NP * NP
-    u_bh = u + (b * N * HV + hv) * DV
-    for i in range(0, tl.cdiv(N, BT)):
-        rows = i * BT + tl.arange(0, BT)
-        rm = rows < N
-        v_i = tl.load(v + b * sv_b + rows[:, None] * sv_n + hv * sv_h + offs_v[None, :],
-                      mask=rm[:, None] & vm[None, :], other=0.0).to(tl.float32)
-        b_i = tl.load(beta + b * sb_b + rows * sb_n + hv * sb_h, mask=rm, other=0.0).to(tl.float32)
-        G_i = tl.load(G + (b * N + rows) * HV + hv, mask=rm, other=0.0)
-        kS = tl.zeros([BT, BV], dtype=tl.float32)
-        qS = tl.zeros([BT, BV], dtype=tl.float32)
-        for c in range(0, DK, BKC):  # K·S0 and Q·S0 over dk chunks (S0 re-read from L1/L2): no register spills
-            offs_c = c + tl.arange(0, BKC)
-            cm = offs_c < DK
-            S_c = tl.load(S_bh + offs_c[:, None] * ss_k + offs_v[None, :], mask=cm[:, None] & vm[None, :], other=0.0)
-            ld = rm[:, None] & cm[None, :]
-            k_c = tl.load(k + b * sk_b + rows[:, None] * sk_n + hk * sk_h + offs_c[None, :], mask=ld, other=0.0)
-            q_c = tl.load(q + b * sq_b + rows[:, None] * sq_n + hk * sq_h + offs_c[None, :], mask=ld, other=0.0)
-            kS += tl.dot(k_c.to(tl.float32), S_c, input_precision=PREC)
-            qS += tl.dot(q_c.to(tl.float32), S_c, input_precision=PREC)
-        eG = tl.exp(G_i)[:, None]
-        rhs = b_i[:, None] * (v_i - eG * kS)
-        acc = eG * qS * scale
-        for j in range(0, i):  # solved blocks j < i: rhs −= A_ij U_j, O += (QKᵀ∘D)_ij U_j
-            cols = j * BT + tl.arange(0, BT)
-            cm = cols < N
-            G_j = tl.load(G + (b * N + cols) * HV + hv, mask=cm, other=0.0)
-            dec = tl.exp(tl.minimum(G_i[:, None] - G_j[None, :], 0.0))
-            kk_ij = tl.load(gram + rows[:, None] * NP + cols[None, :])
-            qk_ij = tl.load(qgram + rows[:, None] * NP + cols[None, :])
-            u_j = tl.load(u_bh + cols[:, None] * HV * DV + offs_v[None, :], mask=cm[:, None] & vm[None, :], other=0.0)
-            rhs -= tl.dot(b_i[:, None] * dec * kk_ij, u_j, input_precision=SPREC)
-            acc += tl.dot(qk_ij * dec, u_j, input_precision=SPREC)
-        dec = tl.exp(tl.minimum(G_i[:, None] - G_i[None, :], 0.0))
-        a = b_i[:, None] * dec * tl.load(gram + rows[:, None] * NP + rows[None, :])  # strictly lower in-block
-        x = rhs - tl.dot(a, rhs, input_precision=SPREC)
-        for _ in tl.static_range(LOG_BT - 1):
-            a = tl.dot(a, a, input_precision=SPREC)
-            x += tl.dot(a, x, input_precision=SPREC)
-        tl.store(u_bh + rows[:, None] * HV * DV + offs_v[None, :], x, mask=rm[:, None] & vm[None, :])
-        tl.debug_barrier()  # later row blocks of this program re-read these rows
-        acc += tl.dot(tl.load(qgram + rows[:, None] * NP + rows[None, :]) * dec, x, input_precision=SPREC)
-        tl.store(o + ((b * N + rows[:, None]) * HV + hv) * DV + offs_v[None, :],
-                 acc.to(o.dtype.element_ty), mask=rm[:, None] & vm[None, :])
 
 
 @triton.jit
@@ -276,7 +187,7 @@ def _gdn_tree_prep_kernel(
     DK: tl.constexpr, DV: tl.constexpr, BKC: tl.constexpr, BVS: tl.constexpr, BT: tl.constexpr,
     LOG_BT: tl.constexpr, PREC: tl.constexpr, SPREC: tl.constexpr,
 ):
-    """solve="split", step 2. Grid (cdiv(N, BT), NSV = cdiv(dv, BVS), B·HV), all programs independent.
+    """Step 2. Grid (cdiv(N, BT), NSV = cdiv(dv, BVS), B·HV), all programs independent.
     w, o0: [B, N, HV, dv] fp32 (T_i β(V − e^G K S0) and e^G Q S0); At, M: [B, HV, NP, NP] fp32 (lower block
     triangle: Ã strictly below the diagonal blocks, M including them)."""
     HV = HK * R
@@ -308,86 +219,13 @@ def _gdn_tree_prep_kernel(
             tl.store(At + mat + cols[None, :], tl.dot(t, a_ij, input_precision=SPREC))
 
 
-@triton.jit
-def _path_tile(q_i, k_i, k, g, bits, gm_all, cols_all, G_i, rows, j, N, W, b, hk, hv, scale,
-               sk_b, sk_n, sk_h, sg_b, sg_n, sg_h, DK: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
-               SPREC: tl.constexpr, NATIVE: tl.constexpr):
-    """Column block j of row block ``rows`` (fuse_gram): ancestor mask, decay D (0 off the path) and the raw
-    K·Kᵀ, scale·Q·Kᵀ tiles. For c ∈ anc⁺(i), G_i − G_c is the sum of g over i's path after c: G_i minus the
-    inclusive prefix sum of i's path-masked g (``gm_all``, [BT, NPOW]) up to column c, so no other row's G."""
-    cols = j * BT + tl.arange(0, BT)
-    anc = _ancestor_tile(bits, rows, j * BT, N, W, BT)
-    g_j = tl.load(g + b * sg_b + cols * sg_n + hv * sg_h, mask=cols < N, other=0.0).to(tl.float32)
-    run = tl.sum(tl.where(cols_all[None, :] < j * BT, gm_all, 0.0), axis=1)
-    pre = run[:, None] + tl.cumsum(tl.where(anc, g_j[None, :], 0.0), axis=1)
-    dec = tl.where(anc, tl.exp(tl.minimum(G_i[:, None] - pre, 0.0)), 0.0)
-    offs_k = tl.arange(0, BK)
-    k_j = tl.load(k + b * sk_b + cols[:, None] * sk_n + hk * sk_h + offs_k[None, :],
-                  mask=(cols[:, None] < N) & (offs_k[None, :] < DK), other=0.0)
-    kk, qk = _gram_tiles(q_i, k_i, k_j, scale, SPREC, NATIVE)
-    return cols, anc, dec, kk, qk
-
-
-@triton.jit(do_not_specialize=["N", "W"])  # one compile per power of 2 ≥ N (NPOW)
-def _gdn_tree_prep_fused_kernel(
-    q, k, v, g, beta, bits, S0, G, w, o0, At, M,
-    N, W, HK, R, NP, NSV, scale,
-    sq_b, sq_n, sq_h, sk_b, sk_n, sk_h, sv_b, sv_n, sv_h, sg_b, sg_n, sg_h, sb_b, sb_n, sb_h, ss_b, ss_h, ss_k,
-    DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BKC: tl.constexpr, BVS: tl.constexpr,
-    BT: tl.constexpr, LOG_BT: tl.constexpr, NPOW: tl.constexpr, PREC: tl.constexpr, SPREC: tl.constexpr,
-    NATIVE: tl.constexpr,
-):
-    """solve="split" with fuse_gram: step 2 straight from q, k, g and the bitsets (no Gram launch). Same grid and
-    outputs as _gdn_tree_prep_kernel, plus G (written by the dv-block-0 programs); the Gram tiles are
-    recomputed per value head."""
-    HV = HK * R
-    i = tl.program_id(0)
-    vb = tl.program_id(1)
-    b = tl.program_id(2) // HV
-    hv = tl.program_id(2) % HV
-    hk = hv // R
-    rows = i * BT + tl.arange(0, BT)
-    rm = rows < N
-    bits_b = bits + b * N * W
-    cols_all = tl.arange(0, NPOW)
-    words = tl.load(bits_b + rows[:, None] * W + (cols_all // 64)[None, :],
-                    mask=rm[:, None] & (cols_all < N)[None, :], other=0)
-    anc_all = ((words >> (cols_all % 64).to(tl.int64)[None, :]) & 1) != 0
-    g_all = tl.load(g + b * sg_b + cols_all * sg_n + hv * sg_h, mask=cols_all < N, other=0.0).to(tl.float32)
-    gm_all = tl.where(anc_all, g_all[None, :], 0.0)
-    G_i = tl.sum(gm_all, axis=1)
-    b_i = tl.load(beta + b * sb_b + rows * sb_n + hv * sb_h, mask=rm, other=0.0).to(tl.float32)
-    offs_k = tl.arange(0, BK)
-    ld = rm[:, None] & (offs_k[None, :] < DK)
-    q_i = tl.load(q + b * sq_b + rows[:, None] * sq_n + hk * sq_h + offs_k[None, :], mask=ld, other=0.0)
-    k_i = tl.load(k + b * sk_b + rows[:, None] * sk_n + hk * sk_h + offs_k[None, :], mask=ld, other=0.0)
-    if not NATIVE:
-        q_i, k_i = q_i.to(tl.float32), k_i.to(tl.float32)
-    mat = (b * HV + hv) * NP * NP + rows[:, None] * NP
-    cols, anc, dec, kk, qk = _path_tile(q_i, k_i, k, g, bits_b, gm_all, cols_all, G_i, rows, i, N, W, b, hk, hv,
-                                        scale, sk_b, sk_n, sk_h, sg_b, sg_n, sg_h, DK, BK, BT, SPREC, NATIVE)
-    strict = anc & (rows[:, None] != cols[None, :])
-    t = _block_inverse(tl.where(strict, b_i[:, None] * dec * kk, 0.0), rows, LOG_BT, SPREC)
-    if vb == 0:
-        tl.store(M + mat + cols[None, :], dec * qk)
-        tl.store(G + (b * N + rows) * HV + hv, G_i, mask=rm)
-    _prep_state_rows(q, k, v, S0, w, o0, t, b_i, G_i, rows, b, hv, hk, vb, N, HV, scale,
-                     sq_b, sq_n, sq_h, sk_b, sk_n, sk_h, sv_b, sv_n, sv_h, ss_b, ss_h, ss_k,
-                     DK, DV, BKC, BVS, BT, PREC, SPREC)
-    for j in range(vb, i, NSV):  # off-diagonal column blocks, round-robin over the NSV programs
-        cols, anc, dec, kk, qk = _path_tile(q_i, k_i, k, g, bits_b, gm_all, cols_all, G_i, rows, j, N, W, b, hk,
-                                            hv, scale, sk_b, sk_n, sk_h, sg_b, sg_n, sg_h, DK, BK, BT, SPREC, NATIVE)
-        tl.store(M + mat + cols[None, :], dec * qk)
-        tl.store(At + mat + cols[None, :], tl.dot(t, b_i[:, None] * dec * kk, input_precision=SPREC))
-
-
 @triton.jit(do_not_specialize=["N"])  # one compile for every tree size
 def _gdn_tree_subst_kernel(
     u, o0, At, M, o,
     N, HV, NP,
     DV: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, JW: tl.constexpr, SPREC: tl.constexpr,
 ):
-    """solve="split", step 3. Grid (cdiv(dv, BV), B·HV). u holds W on entry and the solved U on exit (each row
+    """Step 3. Grid (cdiv(dv, BV), B·HV). u holds W on entry and the solved U on exit (each row
     block read, then overwritten by the same program); later row blocks re-read solved rows after a barrier.
     The next row block's W, O0 and diagonal M tile, which do not depend on the solve, are loaded a step ahead."""
     b = tl.program_id(1) // HV
@@ -467,20 +305,66 @@ def _gdn_tree_recurrent_kernel(
         tl.debug_barrier()  # a later child may reload this snapshot
 
 
-TF32_SOLVE_MIN_NODES = 32  # the default solve runs at tf32 from here on for 16-bit inputs (see gdn_tree_verify)
+TF32_SOLVE_MIN_NODES = 32  # the default solve runs at tf32 from here on for 16-bit inputs (see `ChunkSolve`)
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 
 
 def default_solve_precision(dtype: torch.dtype, n: int) -> str:
     """The solve's dots (Gram tiles, block inverses, substitution) by default: "tf32" for 16-bit inputs of more
-    than `TF32_SOLVE_MIN_NODES` nodes, else fp32 "ieee" (see `gdn_tree_verify`)."""
+    than `TF32_SOLVE_MIN_NODES` nodes, else fp32 "ieee" (see `ChunkSolve`)."""
     return "tf32" if dtype in HALF_DTYPES and n > TF32_SOLVE_MIN_NODES else "ieee"
 
 
-def native_gram_dots(gram_native: bool, dtype: torch.dtype) -> bool:
-    """Whether the Gram dots take 16-bit q, k as they are (``gram_native``). Not under Triton's CPU interpreter,
-    which gets 16-bit dots wrong (garbage, not rounding): there the Gram tiles stay fp32."""
-    return gram_native and not TRITON_INTERPRETED and dtype in HALF_DTYPES
+@dataclass(frozen=True)
+class ChunkSolve:
+    """Launch and precision settings of the chunk kernel. The defaults are the fastest configuration of the H200
+    sweeps at Qwen3.6-27B shapes (``python -m benchmarks.bench_tree_kernels --sweep``: 10.7 / 21.8 / 42.9 µs per
+    layer at N = 16 / 65 / 129, against 14.3 / 64.4 / 137.0 for the first, serial fp32 solver; errors vs the fp32
+    twin: o 6.6e-3 with bf16 outputs, u 6.3e-4; docs/PERFORMANCE.md, tree verification kernels); the others are the sweep's
+    axes.
+
+    ``block_size``: the row block BT (16 or 32). ``precision`` / ``solve_precision``: "ieee" | "tf32" | "tf32x3"
+    for the state products / every other dot; ``solve_precision=None`` picks "tf32" with ``solve_width`` 32 for
+    16-bit inputs of more than `TF32_SOLVE_MIN_NODES` nodes (10-bit mantissas, finer than the inputs' own
+    rounding: 21.8 against 26.4 µs at N = 65, 42.9 against 57.4 at 129, but 12.0 against 10.6 at 16), else fp32
+    "ieee", so fp32 inputs are solved at fp32 accuracy. ``block_v``: the dv block of the substitution (16, 32,
+    64; None: 32 when dv ≥ 32); ``num_warps`` / ``num_stages``: its launch (None: 4 warps for BT = 16, 8 for 32;
+    Triton's stages). ``state_block_v``: the dv block of the state products (16 … 128). ``solve_width``: solved
+    rows per dot in the substitution (a power-of-2 multiple of ``block_size``; None: ``block_size``).
+    ``gram_native``: the Gram tiles' dots take bf16 / fp16 q and k as they come (tensor cores, exact products,
+    fp32 sums: 26.4 against 32.6 µs at N = 65) instead of at ``solve_precision``."""
+
+    block_size: int = 16
+    precision: str = "tf32"
+    solve_precision: str | None = None
+    block_v: int | None = 32
+    num_warps: int | None = None
+    num_stages: int | None = 1
+    state_block_v: int = 64
+    solve_width: int | None = None
+    gram_native: bool = True
+
+    def validate(self) -> None:
+        if self.block_size not in (16, 32):
+            raise ValueError(f"block_size must be 16 or 32, got {self.block_size}")
+        if self.precision not in PRECISIONS or self.solve_precision not in (*PRECISIONS, None):
+            raise ValueError(f"precision and solve_precision must be in {PRECISIONS}, got {self.precision!r}, "
+                             f"{self.solve_precision!r}")
+        if self.block_v is not None and self.block_v not in (16, 32, 64):
+            raise ValueError(f"block_v must be 16, 32 or 64, got {self.block_v}")
+        if self.state_block_v not in (16, 32, 64, 128):
+            raise ValueError(f"state_block_v must be 16, 32, 64 or 128, got {self.state_block_v}")
+        width = self.block_size if self.solve_width is None else self.solve_width
+        if width < self.block_size or width & (width - 1):
+            raise ValueError(f"solve_width must be a power-of-2 multiple of block_size, got {self.solve_width}")
+
+    def for_tree(self, dtype: torch.dtype, n: int) -> tuple[str, int]:
+        """(solve precision, solve width) for n nodes of ``dtype``, the defaults resolved."""
+        if self.solve_precision is not None:
+            return self.solve_precision, self.solve_width or self.block_size
+        precision = default_solve_precision(dtype, n)
+        width = self.solve_width or (32 if precision == "tf32" else self.block_size)
+        return precision, width
 
 
 def _block_v(dv: int) -> int:
@@ -490,77 +374,25 @@ def _block_v(dv: int) -> int:
 def gdn_tree_verify(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     parents: torch.Tensor, initial_state: torch.Tensor, scale: float | None = None, kernel: str = "chunk",
-    ancestors: torch.Tensor | None = None, block_size: int = 16, *, solve: str = "split",
-    precision: str = "tf32", solve_precision: str | None = None, block_v: int | None = 32,
-    num_warps: int | None = None, num_stages: int | None = 1, gram_pairs: bool = True,
-    state_block_v: int = 64, solve_width: int | None = None, fuse_gram: bool = False, gram_native: bool = True,
-    u_out: torch.Tensor | None = None, G_out: torch.Tensor | None = None, gram: GramTiles | None = None,
+    ancestors: torch.Tensor | None = None, *, solve: ChunkSolve = ChunkSolve(),
+    u_out: torch.Tensor | None = None, G_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, GDNTreeContext]:
     """Outputs of all N tree nodes of one GDN layer from the committed state; writes no state.
 
     q, k ``[B, N, HK, dk]`` (L2-normalised), v ``[B, N, HV, dv]``, g (≤ 0) and beta ``[B, N, HV]``,
     parents ``[B, N]`` int, initial_state ``[B, HV, dk, dv]`` fp32 (never modified). ``ancestors``:
-    the step's shared bitsets ``[B, N, ceil(N/64)]`` (built from parents when omitted). ``block_size``:
-    the chunk kernel's row block (16 or 32). Returns ``o [B, N, HV, dv]`` in v's dtype and the
-    context for :func:`gdn_tree_commit`. CPU tensors without the Triton interpreter use the torch twin.
-
-    The defaults are the fastest configuration of the H200 sweeps at Qwen3.6-27B shapes (``python -m
-    benchmarks.bench_tree_kernels --sweep``: 10.6 / 22.6 / 43.7 µs per layer at N = 16 / 65 / 129, against
-    14.3 / 64.4 / 137.0 for the serial fp32 solver; errors vs the fp32 twin: o 6.0e-3 with bf16 outputs,
-    u 8.9e-4). ``solve_precision=None`` picks "tf32" with ``solve_width`` 32 for 16-bit inputs of more than
-    `TF32_SOLVE_MIN_NODES` nodes (10-bit mantissas, finer than the inputs' own rounding: 22.6 against 25.4 µs
-    at N = 65, 43.7 against 56.5 at 129, but 12.0 against 10.6 at 16), else fp32 "ieee", so fp32 inputs are
-    solved at fp32 accuracy.
-
-    Chunk-kernel tuning (module docstring): ``solve`` "subst" | "split"; ``precision`` / ``solve_precision``
-    "ieee" | "tf32" | "tf32x3" for the state products / all other dots; ``block_v`` the dv block of the
-    serial solve (16, 32, 64; default 32 when dv ≥ 32); ``num_warps`` / ``num_stages`` of the serial solve
-    kernel; ``gram_pairs`` one Gram program per (row, column) block pair; ``state_block_v`` the dv block of
-    the split solver's parallel state-product kernel; ``solve_width`` solved rows per dot in the split
-    solver's substitution (a power-of-2 multiple of ``block_size``; default ``block_size``); ``fuse_gram``
-    (split only) computes the Gram tiles and G inside the state-product kernel: two launches instead of three;
-    ``gram_native`` runs the Gram tiles' dots (in the Gram kernel, or the fused prep) on q and k as they come when
-    they are bf16 / fp16 (tensor cores, exact products, fp32 sums) instead of at ``solve_precision``.
+    the step's shared bitsets ``[B, N, ceil(N/64)]`` (built from parents when omitted). ``solve``: the chunk
+    kernel's settings (`ChunkSolve`). Returns ``o [B, N, HV, dv]`` in v's dtype and the context for
+    :func:`gdn_tree_commit`. CPU tensors without the Triton interpreter use the torch twin.
 
     ``u_out`` / ``G_out`` (chunk kernel, both or neither; contiguous fp32 ``[B, N, HV, dv]`` / ``[B, N, HV]``)
     receive the context's solved rows and path decays instead of new tensors: slices of layer-stacked
     buffers let the model's commit fold every layer in one launch without stacking copies.
-
-    ``gram``: the Gram tiles and path decays of these q, k, g already made (`tree_front.gdn_tree_front`, same
-    ``block_size``), so the chunk kernel skips its Gram launch; G is then ``gram.G`` (``G_out``, if given, must
-    be that tensor).
     """
     B, N, HK, HV, R, dk, dv = check_gdn_tree_inputs(q, k, v, g, beta, parents, initial_state)
-    if solve_precision is None:
-        solve_precision = default_solve_precision(q.dtype, N)
-        solve_width = 32 if solve_precision == "tf32" and solve_width is None else solve_width
     if kernel not in ("chunk", "recurrent"):
         raise ValueError(f"kernel must be 'chunk' or 'recurrent', got {kernel!r}")
-    if block_size not in (16, 32):
-        raise ValueError(f"block_size must be 16 or 32, got {block_size}")
-    if solve not in ("subst", "split"):
-        raise ValueError(f"solve must be 'subst' or 'split', got {solve!r}")
-    if precision not in PRECISIONS or solve_precision not in PRECISIONS:
-        raise ValueError(f"precision and solve_precision must be in {PRECISIONS}, got {precision!r}, "
-                         f"{solve_precision!r}")
-    if block_v is not None and block_v not in (16, 32, 64):
-        raise ValueError(f"block_v must be 16, 32 or 64, got {block_v}")
-    if state_block_v not in (16, 32, 64, 128):
-        raise ValueError(f"state_block_v must be 16, 32, 64 or 128, got {state_block_v}")
-    JW = block_size if solve_width is None else solve_width
-    if JW < block_size or JW & (JW - 1):
-        raise ValueError(f"solve_width must be a power-of-2 multiple of block_size, got {solve_width}")
-    if fuse_gram and solve != "split":
-        raise ValueError("fuse_gram needs solve='split'")
-    if gram is not None:
-        NP = -(-N // block_size) * block_size
-        if kernel != "chunk" or fuse_gram:
-            raise ValueError("gram tiles serve the chunk kernel's Gram step (not the recurrent one, not fuse_gram)")
-        if tuple(gram.kk.shape) != (B, HK, NP, NP) or gram.qk.shape != gram.kk.shape:
-            raise ValueError(f"gram tiles must be [{B}, {HK}, {NP}, {NP}] for block_size {block_size}, got "
-                             f"{tuple(gram.kk.shape)}, {tuple(gram.qk.shape)}")
-        if G_out is not None and G_out.data_ptr() != gram.G.data_ptr():
-            raise ValueError("with gram, G_out must be gram.G (the front wrote the path decays there)")
+    solve.validate()
     if (u_out is None) != (G_out is None) or (u_out is not None and kernel != "chunk"):
         raise ValueError("u_out and G_out come together, for the chunk kernel (the recurrent one keeps snapshots)")
     for name, buf, shape in (("u_out", u_out, (B, N, HV, dv)), ("G_out", G_out, (B, N, HV))):
@@ -575,7 +407,7 @@ def gdn_tree_verify(
     q, k, v, S0 = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v, initial_state))
     o = torch.empty(B, N, HV, dv, dtype=v.dtype, device=v.device)
     BK = max(16, triton.next_power_of_2(dk))
-    BV = _block_v(dv) if block_v is None else block_v
+    BV = _block_v(dv) if solve.block_v is None else solve.block_v
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3])
     grid = (triton.cdiv(dv, BV), B * HV)
     if kernel == "recurrent":
@@ -584,50 +416,35 @@ def gdn_tree_verify(
             q, k, v, g, beta, parents.contiguous(), S0, snap, o, N, HK, R, scale,
             *strides, *g.stride(), *beta.stride(), *S0.stride()[:3], DK=dk, DV=dv, BK=BK, BV=BV)
         return o, GDNTreeContext(initial_state=initial_state, snapshots=snap)
+    solve_precision, JW = solve.for_tree(q.dtype, N)
     bits = (ancestor_bitsets(parents) if ancestors is None else ancestors).contiguous()
-    BT = block_size
+    BT = solve.block_size
     nb = triton.cdiv(N, BT)
     NP = nb * BT
     LOG_BT = BT.bit_length() - 1
     warps = 4 if BT == 16 else 8  # no register spills on sm_90 at 27B shapes (ptxas -v)
-    launch = {"num_warps": warps if num_warps is None else num_warps}
-    if num_stages is not None:
-        launch["num_stages"] = num_stages
-    G = gram.G if gram is not None else G_out
-    G = torch.empty(B, N, HV, dtype=torch.float32, device=q.device) if G is None else G
+    G = torch.empty(B, N, HV, dtype=torch.float32, device=q.device) if G_out is None else G_out
     u = torch.empty(B, N, HV, dv, dtype=torch.float32, device=q.device) if u_out is None else u_out
-    ctx = GDNTreeContext(initial_state=initial_state, k=k, u=u, G=G)
-    native = native_gram_dots(gram_native, q.dtype) and k.dtype == q.dtype
-    if gram is not None:
-        kk, qk = gram.kk, gram.qk
-    elif not fuse_gram:
-        kk = torch.empty(B, HK, NP, NP, dtype=torch.float32, device=q.device)
-        qk = torch.empty_like(kk)
-        _gdn_tree_gram_kernel[(nb, B * HK, nb) if gram_pairs else (nb, B * HK)](
-            q, k, g, bits, kk, qk, G, N, bits.shape[-1], HK, R, NP, scale,
-            *q.stride()[:3], *k.stride()[:3], *g.stride(), DK=dk, BK=BK, BT=BT, RP=max(16, triton.next_power_of_2(R)),
-            PAIRS=gram_pairs, PREC=solve_precision, NATIVE=native, num_warps=warps)
-    if solve == "subst":
-        _gdn_tree_solve_kernel[grid](
-            q, k, v, beta, S0, kk, qk, G, u, o, N, HK, R, NP, scale,
-            *strides, *beta.stride(), *S0.stride()[:3],
-            DK=dk, DV=dv, BKC=16, BV=BV, BT=BT, LOG_BT=LOG_BT, PREC=precision, SPREC=solve_precision, **launch)
-        return o, ctx
+    # The Gram dots take 16-bit q, k as they are; not under Triton's CPU interpreter, which gets 16-bit dots wrong
+    # (garbage, not rounding): there the Gram tiles stay fp32.
+    native = solve.gram_native and not TRITON_INTERPRETED and q.dtype in HALF_DTYPES and k.dtype == q.dtype
+    kk = torch.empty(B, HK, NP, NP, dtype=torch.float32, device=q.device)
+    qk = torch.empty_like(kk)
+    _gdn_tree_gram_kernel[(nb, B * HK, nb)](
+        q, k, g, bits, kk, qk, G, N, bits.shape[-1], HK, R, NP, scale,
+        *q.stride()[:3], *k.stride()[:3], *g.stride(), DK=dk, BK=BK, BT=BT, RP=max(16, triton.next_power_of_2(R)),
+        PREC=solve_precision, NATIVE=native, num_warps=warps)
     o0 = torch.empty_like(u)
     At = torch.empty(B, HV, NP, NP, dtype=torch.float32, device=q.device)
     M = torch.empty_like(At)
-    NSV = triton.cdiv(dv, state_block_v)
-    prep = {"DK": dk, "DV": dv, "BKC": min(32, BK), "BVS": state_block_v, "BT": BT, "LOG_BT": LOG_BT,
-            "PREC": precision, "SPREC": solve_precision, "num_warps": warps}
-    if fuse_gram:
-        _gdn_tree_prep_fused_kernel[(nb, NSV, B * HV)](
-            q, k, v, g, beta, bits, S0, G, u, o0, At, M, N, bits.shape[-1], HK, R, NP, NSV, scale,
-            *strides, *g.stride(), *beta.stride(), *S0.stride()[:3],
-            BK=BK, NPOW=max(16, triton.next_power_of_2(N)), NATIVE=native, **prep)
-    else:
-        _gdn_tree_prep_kernel[(nb, NSV, B * HV)](
-            q, k, v, beta, S0, kk, qk, G, u, o0, At, M, N, HK, R, NP, NSV, scale,
-            *strides, *beta.stride(), *S0.stride()[:3], **prep)
+    NSV = triton.cdiv(dv, solve.state_block_v)
+    _gdn_tree_prep_kernel[(nb, NSV, B * HV)](
+        q, k, v, beta, S0, kk, qk, G, u, o0, At, M, N, HK, R, NP, NSV, scale,
+        *strides, *beta.stride(), *S0.stride()[:3], DK=dk, DV=dv, BKC=min(32, BK), BVS=solve.state_block_v, BT=BT,
+        LOG_BT=LOG_BT, PREC=solve.precision, SPREC=solve_precision, num_warps=warps)
+    launch = {"num_warps": warps if solve.num_warps is None else solve.num_warps}
+    if solve.num_stages is not None:
+        launch["num_stages"] = solve.num_stages
     _gdn_tree_subst_kernel[grid](
         u, o0, At, M, o, N, HV, NP, DV=dv, BV=BV, BT=BT, JW=JW, SPREC=solve_precision, **launch)
-    return o, ctx
+    return o, GDNTreeContext(initial_state=initial_state, k=k, u=u, G=G)

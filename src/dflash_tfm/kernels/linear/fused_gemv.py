@@ -1,12 +1,11 @@
-"""Batch-1 GEMVs with the small op before them fused in (decode step), in Triton.
+"""Batch-1 GEMV with the residual add + RMSNorm before it fused in (decode step), in Triton.
 
-A decode step's MLP runs `h += mixer_out; x = rmsnorm(h); gate_up = W_gu x; a = silu(gate) * up; y = W_down a`.
-Apart from the two weight streams, that is two tiny kernels (add + norm, silu · mul) per layer, each a few
-microseconds of launch latency in a CUDA graph. Here each GEMV computes its own input while it streams its
-weight rows: every program re-derives the (≤ 35k-element) input vector from L2 in chunks, so nothing else is
-launched. Numerics follow the unfused path: the residual sum is rounded to the model dtype before the norm,
-the norm's statistics are fp32 (`layers/norm.py` forms), the GEMV input is rounded to the model dtype, dot
-products accumulate in fp32. Twins: `add_norm_gemv_reference`, `silu_mul_gemv_reference`.
+A decode step runs `h += mixer_out; x = rmsnorm(h); y = W x` before every mixer's input projection and the MLP's
+gate_up. Apart from the weight stream, the add + norm is a tiny kernel, a few microseconds of launch latency in
+a CUDA graph. Here the GEMV computes its own input while it streams its weight rows: every program re-derives
+the input vector from L2 in chunks, so nothing else is launched. Numerics follow the unfused path: the residual
+sum is rounded to the model dtype before the norm, the norm's statistics are fp32 (`kernels/norm/reference.py` forms), the
+GEMV input is rounded to the model dtype, dot products accumulate in fp32. Twin: `add_norm_gemv_reference`.
 """
 from __future__ import annotations
 
@@ -16,6 +15,7 @@ import triton
 import triton.language as tl
 
 from dflash_tfm.kernels import use_triton
+from dflash_tfm.kernels.norm.reference import add_rms_norm
 
 
 @triton.jit
@@ -56,37 +56,12 @@ def _add_norm_gemv_kernel(
     tl.store(y + rows, acc.to(y.dtype.element_ty), mask=rm)
 
 
-@triton.jit
-def _silu_mul_gemv_kernel(gate_up, w, y, N, I, BN: tl.constexpr, BK: tl.constexpr):
-    """Grid (cdiv(N, BN),). gate_up [2I] = [gate | up]; w [N, I] row-major; y [N]."""
-    rows = tl.program_id(0) * BN + tl.arange(0, BN)
-    rm = rows < N
-    acc = tl.zeros([BN], dtype=tl.float32)
-    for k0 in range(0, I, BK):
-        offs = k0 + tl.arange(0, BK)
-        km = offs < I
-        gate = tl.load(gate_up + offs, mask=km, other=0.0).to(tl.float32)
-        up = tl.load(gate_up + I + offs, mask=km, other=0.0).to(tl.float32)
-        # F.silu(gate) * up on model-dtype tensors: silu rounds to the dtype, the product too
-        a = ((gate * tl.sigmoid(gate)).to(gate_up.dtype.element_ty).to(tl.float32) * up).to(gate_up.dtype.element_ty)
-        tile = tl.load(w + rows[:, None] * I + offs[None, :], mask=rm[:, None] & km[None, :], other=0.0)
-        acc += tl.sum(tile.to(tl.float32) * a.to(tl.float32)[None, :], axis=1)
-    tl.store(y + rows, acc.to(y.dtype.element_ty), mask=rm)
-
-
 def add_norm_gemv_reference(
     h: torch.Tensor, delta: torch.Tensor, norm_weight: torch.Tensor, eps: float, plus_one: bool, weight: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(h + delta, W · rmsnorm(h + delta)) exactly as the unfused layers compute them."""
-    from dflash_tfm.layers.norm import add_rms_norm
-
-    h_new, x = add_rms_norm.__wrapped__(h, delta, norm_weight, eps, plus_one)
+    h_new, x = add_rms_norm(h, delta, norm_weight, eps, plus_one)
     return h_new, F.linear(x, weight)
-
-
-def silu_mul_gemv_reference(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.linear(F.silu(gate) * up, weight)
 
 
 def _one_row(*tensors: torch.Tensor) -> None:
@@ -97,10 +72,11 @@ def _one_row(*tensors: torch.Tensor) -> None:
 
 def add_norm_gemv(
     h: torch.Tensor, delta: torch.Tensor, norm_weight: torch.Tensor, eps: float, plus_one: bool,
-    weight: torch.Tensor, block_n: int = 16, block_k: int = 512,
+    weight: torch.Tensor, block_n: int = 16, block_k: int = 256,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One row h, delta [..., K] (the residual stream and what a mixer adds to it), the norm's weight [K] and a
-    weight [N, K] -> (h + delta, weight · rmsnorm(h + delta)) with the leading dims of h."""
+    weight [N, K] -> (h + delta, weight · rmsnorm(h + delta)) with the leading dims of h. Each program computes
+    ``block_n`` outputs over ``block_k``-wide chunks of K (16 × 256: `layers/fused_projections.py` says why)."""
     if not use_triton(h):
         return add_norm_gemv_reference(h, delta, norm_weight, eps, plus_one, weight)
     _one_row(h, delta)
@@ -112,14 +88,3 @@ def add_norm_gemv(
         num_warps=4, num_stages=3)
     return h_out, y
 
-
-def silu_mul_gemv(gate_up: torch.Tensor, weight: torch.Tensor, block_n: int = 16, block_k: int = 512) -> torch.Tensor:
-    """One row gate_up [..., 2I] laid out [gate | up] and weight [N, I] -> weight · (silu(gate) * up)."""
-    if not use_triton(gate_up):
-        return silu_mul_gemv_reference(gate_up, weight)
-    _one_row(gate_up)
-    N, I = weight.shape
-    y = torch.empty(*gate_up.shape[:-1], N, dtype=gate_up.dtype, device=gate_up.device)
-    _silu_mul_gemv_kernel[(triton.cdiv(N, block_n),)](gate_up, weight, y, N, I, BN=block_n, BK=block_k,
-                                                       num_warps=4, num_stages=3)
-    return y

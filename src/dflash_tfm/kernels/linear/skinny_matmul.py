@@ -7,7 +7,7 @@ split partials go to an fp32 workspace ``[SPLIT_K, M, N]`` and a second kernel s
 results are deterministic (no atomics) and identical between eager runs and CUDA-graph replays. A configuration
 with ``tma`` loads both tiles through host-made tensor descriptors (Hopper's TMA engine: no address arithmetic
 or masks in the loop, out-of-bounds reads are zeros), when the operands are contiguous and 16-byte aligned.
-The twin is ``F.linear``. Which of the two runs for a shape is decided by timing (``layers/linear.py``).
+The twin is ``F.linear``. Whether it or cuBLAS runs for a shape is a tuned choice (``layers/linear.py``).
 """
 from __future__ import annotations
 
@@ -137,22 +137,13 @@ def block_m(M: int) -> int:
 SHARED_MEMORY_BUDGET = 200 * 1024  # bytes of pipelined tiles per program (sm_90 has 228 KB)
 
 
-def candidate_configs(M: int, N: int, K: int, sms: int) -> list[SkinnyConfig]:
-    """The configurations worth timing for one shape: tile widths and K depths that keep many weight bytes in
-    flight, with the split-K that brings the program count near two per SM, 8 warps for tall tiles, and as many
-    pipeline stages (≤ 4) as fit the shared memory; each tile shape also with TMA loads."""
-    configs = []
-    for block_n in (64, 128):
-        for block_k in (128, 256):
-            stage_bytes = (block_m(M) + block_n) * block_k * 2
-            stages = min(4, SHARED_MEMORY_BUDGET // stage_bytes)
-            if stages < 2:
-                continue
-            tiles = triton.cdiv(N, block_n) * triton.cdiv(M, block_m(M))
-            split = 1
-            while tiles * split < 2 * sms and K // (split * 2) >= 4 * block_k:
-                split *= 2
-            for warps in ((4, 8) if block_m(M) >= 64 else (4,)):
-                configs.append(SkinnyConfig(block_n, block_k, split, warps, num_stages=stages))
-            configs.append(SkinnyConfig(block_n, block_k, split, 4, num_stages=stages, tma=True))
-    return configs
+def tile_config(M: int, N: int, K: int, block_n: int, block_k: int, sms: int, tma: bool) -> SkinnyConfig:
+    """The launch of one ``block_n × block_k`` tile shape for an M × N × K product: the split-K that brings the
+    program count near two per SM (while each split keeps ≥ 4 K steps) and as many pipeline stages (≤ 4) as fit
+    the shared memory."""
+    stages = min(4, SHARED_MEMORY_BUDGET // ((block_m(M) + block_n) * block_k * 2))
+    tiles = triton.cdiv(N, block_n) * triton.cdiv(M, block_m(M))
+    split = 1
+    while tiles * split < 2 * sms and K // (split * 2) >= 4 * block_k:
+        split *= 2
+    return SkinnyConfig(block_n, block_k, split, 4, num_stages=stages, tma=tma)

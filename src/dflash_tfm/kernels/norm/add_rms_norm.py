@@ -3,7 +3,7 @@
 At 65 rows × 5120 inductor's fused kernel for ``h + delta`` then the norm loops over each row twice (the
 statistics, then the output) and took 3.4 µs per launch in the H200 profile, 129 launches per verify step. Here
 one program per row holds the whole row in registers: one read of h and delta, one write of each output.
-Numerics follow `layers/norm.add_rms_norm`, its twin: the sum is rounded to the model dtype before the norm,
+Numerics follow `reference.add_rms_norm`, its twin: the sum is rounded to the model dtype before the norm,
 statistics in fp32, the same two weight forms.
 """
 from __future__ import annotations
@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from dflash_tfm.kernels import use_triton
+from dflash_tfm.kernels.norm.reference import add_rms_norm
 from dflash_tfm.kernels.rounding import round_to
 
 MAX_WIDTH = 16384  # one row in one program's registers
@@ -41,14 +42,12 @@ def add_rms_norm_rows(
     h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float, plus_one: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(h + delta, rmsnorm(h + delta)) for h, delta [..., K] of one dtype (K ≤ MAX_WIDTH), weight [K]."""
-    from dflash_tfm.layers.norm import add_rms_norm
-
     K = h.shape[-1]
     if delta.shape != h.shape or delta.dtype != h.dtype or weight.shape != (K,) or K > MAX_WIDTH:
         raise ValueError(f"h, delta [..., K ≤ {MAX_WIDTH}] of one dtype and weight [K]; got {tuple(h.shape)} "
                          f"{h.dtype}, {tuple(delta.shape)} {delta.dtype}, {tuple(weight.shape)}")
     if not use_triton(h):
-        return add_rms_norm.__wrapped__(h, delta, weight, eps, plus_one)
+        return add_rms_norm(h, delta, weight, eps, plus_one)
     h, delta = h.contiguous(), delta.contiguous()
     h_out = torch.empty_like(h)
     y = torch.empty(h.shape, dtype=h.dtype if plus_one else torch.result_type(weight, h), device=h.device)

@@ -1,10 +1,18 @@
 """Pure-PyTorch twins of the tree-round kernels (``weaver_round.py``): they define what the kernels compute and
-are what ``spec.weaver_tree`` runs (compiled on CUDA) when the kernels are not chosen."""
+are what ``spec.weaver_tree`` runs off CUDA (its "torch" rounds)."""
 from __future__ import annotations
 
 import torch
 
 LOGPROB_FLOOR = -1e30  # keeps real children finite, so only consumed/impossible entries are −inf
+
+
+def weaver_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
+    """The Weaver's RMSNorm with weight and bias: statistics and affine in fp32, no mean subtraction, then x's
+    dtype."""
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (y * weight.float() + bias.float()).to(x.dtype)
 
 
 def pool_logits_plus_residual(w_res: torch.Tensor, query: torch.Tensor, ids: torch.Tensor,

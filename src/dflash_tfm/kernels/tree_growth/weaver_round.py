@@ -6,8 +6,9 @@ scoring, the frontier write, and in the next round on the frontier ``topk`` and 
 of the three jobs is one launch, reading and writing the tree's static buffers in place at the round's node
 slots ``nodes [W]`` (read on the device: no host sync, capturable):
 
-* :func:`rescore_pool`: ``pool_logit[d + 1] + (W_res[pool_id] · query)`` for every node, pool rows read by id
-  (no gathered copy), the dot accumulated in fp32 and rounded to W_res's dtype as the twin's bmm output is;
+* :func:`rescore_pool`: ``pool_logit[d + 1] + (W_res[pool_id] · out_norm(x))`` for every node, the Weaver step's
+  output norm applied on the way in, pool rows read by id (no gathered copy), the dot accumulated in fp32 and
+  rounded to W_res's dtype as the twin's bmm output is;
 * :func:`publish_children`: log-softmax over the pool, the best ``c`` children by repeated arg-max, scores
   ``parent + log p`` (−inf for nodes at depth K), written straight into the node's frontier row;
 * :func:`place_nodes`: the best W frontier entries by repeated arg-max, written as tree nodes (token, parent,
@@ -18,47 +19,38 @@ Repeated arg-max takes the lowest index among exactly equal values; ``topk`` may
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import triton
 import triton.language as tl
 
 from dflash_tfm.kernels import use_triton
 from dflash_tfm.kernels.tree_growth import reference
-from dflash_tfm.layers.measured_choice import MeasuredChoice
-
-if TYPE_CHECKING:
-    from dflash_tfm.spec.weaver import WeaverNorm
 
 LOGPROB_FLOOR = reference.LOGPROB_FLOOR
-# Launch shapes timed per tensor shape (session 13's H200 profile of a budget-64 tree: re-scoring 9 µs and
-# publishing 9 µs per round, both latency-bound — 128 programs of 16 pool rows, and W programs of 4 warps whose
-# 16 arg-max passes each cross warps through shared memory).
-RESCORE_TILES = {"default": (16, 4), "bp8": (8, 4), "bp4 w2": (4, 2), "bp32 w8": (32, 8)}  # (pool rows, warps)
-PUBLISH_WARPS = {"default": 4, "w1": 1, "w2": 2}
-rescore_choice = MeasuredChoice(default="default")
-publish_choice = MeasuredChoice(default="default")
+# Launch shapes, from the H200 timings of a budget-64 tree's rounds (docs/data/spec_step_h200s1*.json, four
+# runs): re-scoring 16 pool rows per program with 4 warps (5.5–6.2 µs; 4, 8 or 32 rows were 3–20 % slower with
+# the output norm fused in), publishing with 1 warp, whose 16 arg-max passes then need no cross-warp exchange
+# through shared memory (5.5–5.8 µs against 9.1–9.8 with 4 warps).
+RESCORE_POOL_ROWS, RESCORE_WARPS = 16, 4
+PUBLISH_WARPS = 1
 
 
 @triton.jit
 def _rescore_pool_kernel(w_res, query, norm_w, norm_b, pool_ids, pool_logits, depths, nodes, out, P, D, K, eps,
-                         NORM: tl.constexpr, BP: tl.constexpr, BD: tl.constexpr):
-    """Program (node i, pool block). out [W, P] fp32. NORM: the query row is first put through the Weaver's
-    output norm (fp32 statistics and affine, rounded to W_res's dtype)."""
+                         BP: tl.constexpr, BD: tl.constexpr):
+    """Program (node i, pool block). out [W, P] fp32. The query row is first put through the Weaver's output norm
+    (fp32 statistics and affine, rounded to W_res's dtype)."""
     i = tl.program_id(0)
     offs_p = tl.program_id(1) * BP + tl.arange(0, BP)
     mask_p = offs_p < P
     row = tl.minimum(tl.load(depths + tl.load(nodes + i)), K - 1)
     ids = tl.load(pool_ids + row * P + offs_p, mask=mask_p, other=0)
-    r = 0.0
-    if NORM:
-        sq = tl.zeros([BD], dtype=tl.float32)
-        for d0 in range(0, D, BD):
-            offs_d = d0 + tl.arange(0, BD)
-            q = tl.load(query + i * D + offs_d, mask=offs_d < D, other=0.0).to(tl.float32)
-            sq += q * q
-        r = tl.rsqrt(tl.sum(sq, axis=0) / D + eps)
+    sq = tl.zeros([BD], dtype=tl.float32)
+    for d0 in range(0, D, BD):
+        offs_d = d0 + tl.arange(0, BD)
+        q = tl.load(query + i * D + offs_d, mask=offs_d < D, other=0.0).to(tl.float32)
+        sq += q * q
+    r = tl.rsqrt(tl.sum(sq, axis=0) / D + eps)
     acc = tl.zeros([BP], dtype=tl.float32)
     for d0 in range(0, D, BD):
         offs_d = d0 + tl.arange(0, BD)
@@ -66,10 +58,9 @@ def _rescore_pool_kernel(w_res, query, norm_w, norm_b, pool_ids, pool_logits, de
         w = tl.load(w_res + ids[:, None].to(tl.int64) * D + offs_d[None, :],
                     mask=mask_p[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
         q = tl.load(query + i * D + offs_d, mask=mask_d, other=0.0).to(tl.float32)
-        if NORM:
-            g = tl.load(norm_w + offs_d, mask=mask_d, other=0.0).to(tl.float32)
-            b = tl.load(norm_b + offs_d, mask=mask_d, other=0.0).to(tl.float32)
-            q = (q * r * g + b).to(w_res.dtype.element_ty).to(tl.float32)
+        g = tl.load(norm_w + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+        b = tl.load(norm_b + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+        q = (q * r * g + b).to(w_res.dtype.element_ty).to(tl.float32)
         acc += tl.sum(w * q[None, :], axis=1)
     residual = acc.to(w_res.dtype.element_ty).to(tl.float32)
     logit = tl.load(pool_logits + row * P + offs_p, mask=mask_p, other=0.0)
@@ -123,31 +114,22 @@ def _place_nodes_kernel(flat_score, flat_token, tokens, parents, depths, scores,
         tl.store(flat_score + entry, -float("inf"))
 
 
-def rescore_pool(w_res: torch.Tensor, query: torch.Tensor, pool_ids: torch.Tensor, pool_logits: torch.Tensor,
-                 depths: torch.Tensor, nodes: torch.Tensor, norm: WeaverNorm | None = None) -> torch.Tensor:
-    """Re-scored child logits ``[W, P]`` fp32 of node slots ``nodes [W]`` (query [W, D], output of
-    ``Weaver.step``, or with ``norm`` = the Weaver's ``out_norm`` the step's rows before it); pool_ids /
-    pool_logits [K, P] (row d = candidates of depth d + 1); depths [n]."""
-    W, D = query.shape
+def rescore_pool(w_res: torch.Tensor, rows: torch.Tensor, pool_ids: torch.Tensor, pool_logits: torch.Tensor,
+                 depths: torch.Tensor, nodes: torch.Tensor, norm: tuple[torch.Tensor, torch.Tensor, float],
+                 ) -> torch.Tensor:
+    """Re-scored child logits ``[W, P]`` fp32 of node slots ``nodes [W]``: rows [W, D] are the Weaver step's last
+    block outputs, put through its output norm ``norm`` = (weight, bias, eps) (`reference.weaver_norm`) to make
+    the queries; pool_ids / pool_logits [K, P] (row d = candidates of depth d + 1); depths [n]."""
+    W, D = rows.shape
     K, P = pool_ids.shape
-    if not use_triton(query):
-        return reference.rescore_pool_reference(w_res, query if norm is None else norm(query), pool_ids,
-                                                pool_logits, depths, nodes)
-    from dflash_tfm.spec.weaver import NORM_EPS
-
-    out = torch.empty(W, P, dtype=torch.float32, device=query.device)
-    weight, bias = (norm.weight, norm.bias) if norm is not None else (w_res, w_res)
-    query = query.contiguous()
-
-    def launch(tile: str) -> None:  # writes `out` afresh from unchanged inputs: timing may repeat it
-        BP, warps = RESCORE_TILES[tile]
-        _rescore_pool_kernel[(W, triton.cdiv(P, BP))](
-            w_res, query, weight, bias, pool_ids, pool_logits, depths, nodes, out, P, D, K, NORM_EPS,
-            NORM=norm is not None, BP=BP, BD=min(256, triton.next_power_of_2(D)), num_warps=warps)
-
-    key = (W, P, D, K, w_res.dtype, norm is not None)
-    launch(rescore_choice.pick(key, lambda: {t: (lambda t=t: launch(t)) for t in RESCORE_TILES},
-                               can_time=query.is_cuda))
+    if not use_triton(rows):
+        return reference.rescore_pool_reference(w_res, reference.weaver_norm(rows, *norm), pool_ids, pool_logits,
+                                                depths, nodes)
+    out = torch.empty(W, P, dtype=torch.float32, device=rows.device)
+    weight, bias, eps = norm
+    _rescore_pool_kernel[(W, triton.cdiv(P, RESCORE_POOL_ROWS))](
+        w_res, rows.contiguous(), weight, bias, pool_ids, pool_logits, depths, nodes, out, P, D, K, eps,
+        BP=RESCORE_POOL_ROWS, BD=min(256, triton.next_power_of_2(D)), num_warps=RESCORE_WARPS)
     return out
 
 
@@ -159,17 +141,9 @@ def publish_children(logits: torch.Tensor, pool_ids: torch.Tensor, depths: torch
         reference.publish_children_reference(logits, pool_ids, depths, scores, frontier_score, frontier_token, nodes)
         return
     W, P = logits.shape
-    K = pool_ids.shape[0]
-
-    def launch(warps: str) -> None:  # rewrites the same frontier rows from unchanged inputs: timing may repeat it
-        _publish_children_kernel[(W,)](
-            logits, pool_ids, depths, scores, frontier_score, frontier_token, nodes, P, K,
-            C=frontier_score.shape[1], BP=triton.next_power_of_2(P), FLOOR=LOGPROB_FLOOR,
-            num_warps=PUBLISH_WARPS[warps])
-
-    key = (W, P, K, frontier_score.shape[1])
-    launch(publish_choice.pick(key, lambda: {w: (lambda w=w: launch(w)) for w in PUBLISH_WARPS},
-                               can_time=logits.is_cuda))
+    _publish_children_kernel[(W,)](
+        logits, pool_ids, depths, scores, frontier_score, frontier_token, nodes, P, pool_ids.shape[0],
+        C=frontier_score.shape[1], BP=triton.next_power_of_2(P), FLOOR=LOGPROB_FLOOR, num_warps=PUBLISH_WARPS)
 
 
 def place_nodes(flat_score: torch.Tensor, flat_token: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor,

@@ -1,9 +1,10 @@
-"""The batched Weaver step of a tree round (W ≤ 16 node rows) as five Triton launches per Weaver block.
+"""The kernels of the batched Weaver step of a tree round (W ≤ 16 node rows): five launches per Weaver block.
 
 Why: a round multiplies a handful of rows by the Weaver weights (59 MB at the published 27B shapes, ~14 µs of
 streaming), but as torch ops — gathers, norms, RoPE, the masked softmax, activations and residual adds between
-four projections — it is ~25 launches, and inside a CUDA graph each costs a few µs (docs/PERFORMANCE.md, issue
-4). Here every projection computes its own input and output glue while it streams its weight rows:
+four projections — it is ~25 launches, and inside a CUDA graph each costs a few µs (docs/PERFORMANCE.md,
+speculative step parts). Here every projection computes its own input and output glue while it streams its
+weight rows (`spec.weaver_tree.fused_step_rows` runs a block as):
 
 1. ``_rows_matmul_kernel`` (GATHER, NORM): x = token_table[token] (+ pos_emb), norm_attn(x) · W_qkvᵀ (its program
    0 also stores x, the block's residual);
@@ -13,7 +14,7 @@ four projections — it is ~25 launches, and inside a CUDA graph each costs a fe
 4. ``_rows_matmul_kernel`` (NORM, SWIGLU or GELU): act(norm_mlp(x) · W_upᵀ + b);
 5. ``_rows_matmul_kernel`` (RESIDUAL): x + act · W_downᵀ + b.
 
-The output norm runs inside the pool re-scoring (``weaver_round.rescore_pool(norm=…)``). Numerics follow the torch
+The output norm runs inside the pool re-scoring (``weaver_round.rescore_pool``). Numerics follow the torch
 step: fp32 accumulation and norm statistics, every intermediate rounded to the Weaver dtype where the torch ops
 round it. Twin: ``Weaver.step`` (without its ``out_norm``). Precondition of the fused attention: no node of a call
 is an ancestor of another node of the same call — true of a tree round, whose nodes are children of nodes expanded
@@ -21,17 +22,11 @@ in earlier rounds — so each node reads its ancestors' K/V from the cache and i
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import triton
 import triton.language as tl
 
-from dflash_tfm.kernels import use_triton
-from dflash_tfm.layers.measured_choice import MeasuredChoice
-
-if TYPE_CHECKING:
-    from dflash_tfm.spec.weaver import Weaver, WeaverCache, WeaverNorm
+from dflash_tfm.tuning import TunedChoice
 
 MAX_ROWS = 16  # the row tile of the tensor-core dot
 NO_ACT, SWIGLU, GELU = 0, 1, 2
@@ -229,16 +224,16 @@ def _block_n(n: int) -> int:
     return 16 if n <= 2048 else 32  # enough programs to keep the weight stream in flight
 
 
-# Tiles (BN, BK, warps, stages, K slices) of `_rows_matmul_kernel`, timed per shape (`rows_matmul_choice`).
-# Session 10's H200 profile: the default tiles streamed the Weaver's 59 MB per round at ~0.8 TB/s (1.17 ms of a
-# budget-128 tree's 2.02 ms), cuBLAS the same projections at ~1.5 TB/s: wider K steps and more stages keep more
-# weight bytes in flight per program. Session 13's profile: the best of those still ran at ~1.4 TB/s (0.66 ms
-# of a budget-64 tree's 1.52 ms) with one program per N tile, hence the tiles that split K over 2–8 programs.
-ROW_TILES = {"default": None, "n16 k256 s4": (16, 256, 4, 4, 1), "n32 k256 s4": (32, 256, 4, 4, 1),
-             "n64 k256 w8": (64, 256, 8, 3, 1), "n16 k512 s3": (16, 512, 4, 3, 1), "n32 k512 w8": (32, 512, 8, 2, 1),
-             "n16 k128 s4 x4": (16, 128, 4, 4, 4), "n16 k256 s3 x2": (16, 256, 4, 3, 2),
-             "n32 k128 s4 x4": (32, 128, 4, 4, 4), "n32 k64 s4 x8": (32, 64, 4, 4, 8)}
-rows_matmul_choice = MeasuredChoice(default="default")
+# Tiles (BN, BK, warps, stages, K slices) of `_rows_matmul_kernel`, a tuned choice per projection shape
+# (`dflash_tfm.tuning`). The default tiles (one program per 16 or 32 columns, BK 128) streamed the Weaver's 59 MB
+# per round at ~0.8 TB/s on the H200, cuBLAS the same projections at ~1.5 TB/s: wider K steps, more
+# stages, and K split over several programs keep more weight bytes in flight. Of the ten tiles timed, each
+# projection took one of these three in every recorded run (docs/data/spec_step_h200s1*.json): the normed qkv
+# "n32 k256 s4" (12.8–14.3 µs), o_proj and down "n32 k128 s4 x4" (4.5–5.2 µs), the normed SwiGLU gate_up
+# "n32 k64 s4 x8" (9.8–10.9 µs).
+ROW_TILES = {"default": None, "n32 k256 s4": (32, 256, 4, 4, 1), "n32 k128 s4 x4": (32, 128, 4, 4, 4),
+             "n32 k64 s4 x8": (32, 64, 4, 4, 8)}
+ROWS_MATMUL = TunedChoice("weaver_rows_matmul", default="default", candidates=tuple(ROW_TILES))
 _arrivals: dict[torch.device, torch.Tensor] = {}  # per device: the split tiles' counters, zero between launches
 MAX_TILES = 4096
 
@@ -254,18 +249,19 @@ def _arrival_counters(device: torch.device) -> torch.Tensor:
     return _arrivals[device]
 
 
-def _rows_matmul(
-    x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, *, norm: WeaverNorm | None = None,
-    bias: torch.Tensor | None = None, act: int = NO_ACT, res: torch.Tensor | None = None,
+def rows_matmul(
+    x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, *,
+    norm: tuple[torch.Tensor, torch.Tensor, float] | None = None, bias: torch.Tensor | None = None,
+    act: int = NO_ACT, res: torch.Tensor | None = None,
     gather: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor] | None = None,
 ) -> None:
-    """y ← act(norm(rows) · weightᵀ + bias) (+ res). ``gather`` = (tokens, nodes, depths, pos_emb or None, x_out):
-    the rows are x[tokens[nodes]] (+ pos_emb), stored to x_out."""
-    from dflash_tfm.spec.weaver import NORM_EPS
-
+    """y ← act(norm(rows) · weightᵀ + bias) (+ res), ``norm`` = (weight, bias, eps) of a Weaver RMSNorm (fp32
+    statistics and affine). ``gather`` = (tokens, nodes, depths, pos_emb or None, x_out): the rows are
+    x[tokens[nodes]] (+ pos_emb), stored to x_out."""
     M, N = y.shape
     K = weight.shape[1]
     tokens, nodes, depths, pos_emb, x_out = gather if gather is not None else (y, y, y, None, y)
+    norm_weight, norm_bias, eps = norm if norm is not None else (weight, weight, 0.0)
     dummy = weight
     flags = dict(GATHER=gather is not None, POS=pos_emb is not None, NORM=norm is not None, ACT=act,
                  HAS_BIAS=bias is not None, RESIDUAL=res is not None)
@@ -282,9 +278,9 @@ def _rows_matmul(
         arrivals = _arrival_counters(y.device) if split > 1 else dummy
         _rows_matmul_kernel[(tiles, split)](
             x, res if res is not None else dummy, x_out, tokens, nodes, depths,
-            pos_emb if pos_emb is not None else dummy, norm.weight if norm is not None else dummy,
-            norm.bias if norm is not None else dummy, weight, bias if bias is not None else dummy, y, partial,
-            arrivals, M, N, K, pos_emb.shape[0] if pos_emb is not None else 1, k_split, NORM_EPS, **flags,
+            pos_emb if pos_emb is not None else dummy, norm_weight, norm_bias, weight,
+            bias if bias is not None else dummy, y, partial, arrivals, M, N, K,
+            pos_emb.shape[0] if pos_emb is not None else 1, k_split, eps, **flags,
             PRECISION="ieee" if weight.dtype == torch.float32 else "tf32",
             BM=MAX_ROWS, BN=BN, BK=BK, SPLIT=split, num_warps=warps, num_stages=stages)
 
@@ -292,46 +288,20 @@ def _rows_matmul(
         _arrival_counters(y.device)  # now: the choice below times its candidates inside CUDA graphs
     # Every launch writes fresh outputs from unchanged inputs (x_out gets the same rows), so timing may repeat it.
     key = (M, N, K, weight.dtype, *flags.values())
-    tile = rows_matmul_choice.pick(key, lambda: {t: (lambda t=t: launch(t)) for t in ROW_TILES},
-                                   can_time=weight.is_cuda)
-    launch(tile)
+    launch(ROWS_MATMUL.pick(key, lambda: {t: (lambda t=t: launch(t)) for t in ROW_TILES}, weight.device))
 
 
-def weaver_step_rows(weaver: Weaver, cache: WeaverCache, nodes: torch.Tensor, tokens: torch.Tensor,
-                     depths: torch.Tensor, ancestors: torch.Tensor) -> torch.Tensor:
-    """``Weaver.step`` of node slots ``nodes`` [W] before its ``out_norm``: x [W, d_rank], the nodes' K/V written
-    into ``cache``. tokens, depths [N] long and ancestors [N, N] bool are the tree's whole buffers (read at
-    ``nodes`` on the device). No node of ``nodes`` may be an ancestor of another (module docstring)."""
-    if not use_triton(nodes):
-        return weaver.step_rows(cache, nodes, tokens[nodes], depths[nodes], ancestors[nodes])
-    cfg = weaver.config
-    W, d, N = nodes.shape[0], cfg.d_rank, ancestors.shape[0]
-    if not 1 <= W <= MAX_ROWS:
-        raise ValueError(f"the fused Weaver step takes 1 … {MAX_ROWS} nodes, got {W}")
-    if cfg.head_dim & (cfg.head_dim - 1) or cfg.head_dim < 2:
-        raise ValueError(f"the fused Weaver attention needs a power-of-two head dim, got {cfg.head_dim}")
-    new = lambda cols: torch.empty(W, cols, dtype=weaver.token_table.dtype, device=nodes.device)  # noqa: E731
-    x = new(d)
-    cos = weaver.rope_cos if cfg.rotary else weaver.token_table  # (unused without RoPE)
-    sin = weaver.rope_sin if cfg.rotary else weaver.token_table
-    for layer, block in enumerate(weaver.blocks):
-        qkv = new(3 * d)
-        if layer == 0:
-            pos_emb = None if cfg.rotary else weaver.pos_emb
-            _rows_matmul(weaver.token_table, block.qkv_proj.weight, qkv, norm=block.norm_attn,
-                         gather=(tokens, nodes, depths, pos_emb, x))
-        else:
-            _rows_matmul(x, block.qkv_proj.weight, qkv, norm=block.norm_attn)
-        attn = new(d)
-        _node_attention_kernel[(W, cfg.num_heads)](
-            qkv, cache.k[layer], cache.v[layer], cos, sin, nodes, depths, ancestors.view(torch.uint8), attn,
-            cache.prefix_len, N, cfg.num_heads, cfg.K, cfg.head_dim ** -0.5,
-            ROTARY=cfg.rotary, D=cfg.head_dim, BT=32, num_warps=4)
-        x1 = new(d)
-        _rows_matmul(attn, block.o_proj.weight, x1, res=x)
-        up, down = (block.gate_up_proj, block.down_proj) if block.swiglu else (block.fc1, block.fc2)
-        act = new(cfg.mlp_dim)
-        _rows_matmul(x1, up.weight, act, norm=block.norm_mlp, bias=up.bias, act=SWIGLU if block.swiglu else GELU)
-        x = new(d)
-        _rows_matmul(act, down.weight, x, bias=down.bias, res=x1)
-    return x
+def node_attention(
+    qkv: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
+    nodes: torch.Tensor, depths: torch.Tensor, ancestors: torch.Tensor, out: torch.Tensor, prefix_len: int,
+    max_depth: int,
+) -> None:
+    """out [W, H·D] ← attention of node slots ``nodes`` [W] (their q | k | v rows ``qkv [W, 3·H·D]``) over one
+    layer's cache ``cache_k``, ``cache_v`` [P + N, H, D]: the prefix and each node's ancestors (``ancestors``
+    [N, N] bool, inclusive), its own k, v written into the cache first; q, k RoPE'd at position
+    min(depth, max_depth) + 1 when ``rope`` = (cos, sin) [max_depth + 2, D] fp32 is given."""
+    H, D = cache_k.shape[1:]
+    cos, sin = rope if rope is not None else (qkv, qkv)  # (not read without RoPE)
+    _node_attention_kernel[(nodes.shape[0], H)](
+        qkv, cache_k, cache_v, cos, sin, nodes, depths, ancestors.view(torch.uint8), out, prefix_len,
+        ancestors.shape[0], H, max_depth, D ** -0.5, ROTARY=rope is not None, D=D, BT=32, num_warps=4)
