@@ -2,7 +2,7 @@
 
 Rows: (temperature, budget) × algorithm; columns: datasets and their macro average (over the datasets
 the algorithm has a cell for, which the table states); cells on an unusual number of prompts show it; the
-issue's ordering check at the end.
+ordering check (DFLASH < DDTREE < DFLASH_TFM per cell) at the end.
 
     python -m benchmarks.acceptance_report tau/*.jsonl --plot docs/acceptance_smollm2.png
 """

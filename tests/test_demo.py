@@ -70,7 +70,8 @@ def test_unavailable_dataset_is_a_one_line_note(tmp_path: Path) -> None:
 
 
 def test_committed_bundle_is_complete_and_within_30_mb() -> None:
-    """Issue 5 asks for drafter + Weaver together <= 30 MB, committed and found by the demo's own lookup."""
+    """Drafter + Weaver together stay <= 30 MB (they ride in the package), committed and found by the demo's own
+    lookup."""
     bundle, notes = find_bundle(DEFAULT_BUNDLE)
     weights = [DEFAULT_BUNDLE / "dflash" / "model.safetensors", DEFAULT_BUNDLE / "weaver.pth"]
     assert bundle is not None and not notes and all(p.is_file() for p in weights)

@@ -235,9 +235,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="use random drafter/Weaver checkpoints (shows the machinery; τ is not meaningful)")
     p.add_argument("--datasets", nargs="+", default=list(DEMO_DATASETS), help="from " + " ".join(DEMO_DATASETS))
     p.add_argument("--prompts-per-dataset", type=int, default=None,
-                   help="default: 2 on CPU (1 with --random-bundle), 10 on GPU")
+                   help="default: 1 on CPU, 10 on GPU")
     p.add_argument("--max-new-tokens", type=int, default=None,
-                   help="default: 48 on CPU (32 with --random-bundle), 256 on GPU")
+                   help="default: 32 on CPU, 256 on GPU")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--budget", type=int, default=64, help="DDTREE / DFLASH_TFM tree budget (nodes below the root)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed of prompt i is seed + i")

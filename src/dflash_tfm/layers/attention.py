@@ -152,7 +152,7 @@ def decode_attention(
     `positions` slots, in `DECODE_SPLITS` cache splits (fewer for a short cache: at least
     `MIN_KEYS_PER_DECODE_SPLIT` keys each). On the H200 that beat SDPA and every other split count at both
     key-length buckets the 27B decode step was timed at (2048 keys: 8.7 µs against SDPA's 11.1, 16 splits 9.5;
-    8192 keys: 12.1 against 17.1; docs/data/ar_decode_h200s16_run*.json)."""
+    8192 keys: 12.1 against 17.1; docs/data/perf/ar_decode_h200_2026-12-03*.json)."""
     itself = torch.ones(q.shape[0], 1, 1, dtype=torch.long, device=q.device)  # ancestor bitset: bit 0
     splits = max(1, min(DECODE_SPLITS, k_cache.shape[1] // MIN_KEYS_PER_DECODE_SPLIT))
     splits = 1 << (splits.bit_length() - 1)  # a power of two
@@ -161,7 +161,7 @@ def decode_attention(
 
 # The tree kernel's tiles the verify's tuned choice times besides its own split heuristic ("tree_kernel"), as
 # tree_attention keyword arguments: those that won a tree size on the H200. In the model (1536 cached keys,
-# docs/data/verify_step_h200s1[678]*.json): 16 cache splits at N = 1 and 16 (13.5 against the heuristic's 16.7 µs
+# docs/data/perf/verify_step_h200_2026-12-0[34]*.json): 16 cache splits at N = 1 and 16 (13.5 against the heuristic's 16.7 µs
 # at N = 16), 4 splits of 64-key tiles at N = 65 (26.2 against 34.7), 2 at N = 129 (41.7 against 56.3). In the
 # sweep of the kernel alone (`bench_tree_kernels --attention-sweep`), 128-row tiles (each K/V tile read for twice
 # the rows): 8 splits at N = 65, 4 at N = 129, 7–19 % under those. The sweep's other tiles never won.

@@ -5,7 +5,7 @@ Triton GEMV that computes its own input while it streams the weight (`kernels/li
 anything else it is the layers' own ops: the residual add fused into the norm, then the `layers/linear.py`
 projection.
 
-Why fixed, from the H200 runs (docs/PERFORMANCE.md, autoregressive decode step; docs/data/ar_decode_h200s16_run*.json):
+Why fixed, from the H200 runs (docs/PERFORMANCE.md, autoregressive decode step; docs/data/perf/ar_decode_h200_2026-12-03*.json):
 timed alone, the fused GEMV and norm + cuBLAS came within 2 % of each other (gate_up 0.0864 against 0.0870 ms),
 yet the decode steps that took the separate kernels were 0.37 ms slower (14.15 against 13.78 ms, the same
 GEMV-only time). Of the GEMV tiles tried, 16 output rows by 256-wide K chunks was the fastest or within 0.3 % of

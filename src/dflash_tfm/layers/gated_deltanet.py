@@ -117,7 +117,7 @@ class GatedDeltaNet(nn.Module):
         keep_mixed, u_out, G_out = (None, None, None) if keep is None else keep
         # From in_proj's output to the solve's: the verify inputs (tree conv, SiLU, q/k norm, β, g) in one launch,
         # then the tree solve. One launch beat the three separate kernels at every tree size in every H200 run
-        # (N = 65: 9.4–9.5 against 13.2–14.4 µs per layer; docs/data/verify_step_h200s1*.json).
+        # (N = 65: 9.4–9.5 against 13.2–14.4 µs per layer; docs/data/perf/verify_step_h200_2026-12-0[34]*.json).
         q, k, v, z, beta, g = gdn_tree_inputs(
             proj, self.conv_weight, self.A_log, self.dt_bias, tree.parents, conv_window, self.hk, self.dk, self.hv,
             self.dv, keep_input=keep_mixed, nearest=tree.nearest_ancestors)

@@ -32,7 +32,7 @@ class RMSNorm(nn.Module):
         """(h + delta, norm(h + delta)). On CUDA without autograd, for up to a verify's rows, one Triton program
         per row (`kernels/norm/add_rms_norm.py`): on the H200 it beat inductor's two-pass kernel at every row
         count timed (1 to 129 rows of 5120: 0.0020–0.0029 against 0.0024–0.0031 ms;
-        docs/data/verify_step_h200s1[78]*.json). Otherwise inductor's fused add + norm (eager on the CPU)."""
+        docs/data/perf/verify_step_h200_2026-12-0[34]*.json). Otherwise inductor's fused add + norm (eager on the CPU)."""
         differentiable = torch.is_grad_enabled() and (h.requires_grad or delta.requires_grad or self.weight.requires_grad)
         if differentiable or not (h.is_cuda and small_enough_to_fuse(h, count_rows=True)
                                   and h.shape[-1] <= MAX_WIDTH and delta.dtype == h.dtype):

@@ -169,7 +169,7 @@ def block_attention(
 
     On CUDA, for blocks of up to 63 queries (one int64 bitset word per node), the split-KV tree-attention kernel
     with the block as a tree (a chain when causal, else every node sees every node): on the H200 it took 10.6 µs
-    per layer where masked SDPA took 53 (docs/data/spec_step_h200s1*.json), since SDPA gives cuDNN only Hkv
+    per layer where masked SDPA took 53 (docs/data/perf/spec_step_h200_2026-12-03*.json), since SDPA gives cuDNN only Hkv
     programs and no split over the keys. Elsewhere masked SDPA over the first `kv_len` cache slots
     (`grouped_attention`)."""
     if q.device.type in TREE_KERNEL_DEVICES and q.shape[1] <= 63:

@@ -132,7 +132,7 @@ place_nodes_compiled = fuse_on_cuda(reference.place_nodes_reference)
 # How a round runs: "torch", the compiled functions above (the twins); "triton_fused", the Triton kernels (a
 # round is ~8 launches). On CUDA the kernels: they built a budget-64 tree in 1.27–1.63 ms where the torch rounds
 # took 2.39–3.15 (and the round kernels around the compiled torch step, since removed, 1.51–1.82; four H200 runs,
-# docs/data/spec_step_h200s1*.json).
+# docs/data/perf/spec_step_h200_2026-12-03*.json).
 EXPANSIONS = {"torch": expand_nodes_compiled, "triton_fused": expand_nodes_with_kernels}
 ROUND_IMPLEMENTATIONS = tuple(EXPANSIONS)
 

@@ -2,8 +2,8 @@
 
 Training batches are right-padded to a length. Kernels whose set-up depends on the shape pay it once per new
 one: the cuDNN attention behind SDPA builds an execution plan per shape (~0.1 s on the H200), and a batch
-padded to its longest row brings a new length almost every step (it was most of a drafter step's wall clock,
-docs/PERFORMANCE.md, session 10). Rounding lengths up to a multiple of 64 leaves at most 12 shapes for 768.
+padded to its longest row brings a new length almost every step (it was most of a drafter step's wall clock
+in the training-step profile, CHANGELOG.md). Rounding lengths up to a multiple of 64 leaves at most 12 shapes for 768.
 """
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ from dflash_tfm.kernels.gdn.tree_reference import GDNTreeContext, gdn_tree_commi
 
 # The fold streams the state (302 MB for all 48 GDN layers of Qwen3.6-27B, read and written). Its launch shape, a
 # dv block of 64 with 4 warps, was the fastest in every recorded H200 run: 0.100–0.106 ms for the 48 layers
-# against 0.118–0.122 with 32-wide blocks and 0.114–0.140 with 8 warps (docs/data/spec_step_h200s15_*.json).
+# against 0.118–0.122 with 32-wide blocks and 0.114–0.140 with 8 warps (docs/data/perf/spec_step_h200_2026-12-03*.json).
 FOLD_BLOCK_V, FOLD_WARPS = 64, 4
 
 

@@ -3,7 +3,7 @@
 The drafter's training loss is a cross-entropy over the target's whole vocabulary (49,152 for SmolLM2) for ~30k
 block positions a step. Through ``F.cross_entropy`` on fp32 logits that is a 6 GB fp32 copy of the logits, a
 log-softmax forward writing another 6 GB, and a softmax backward reading both and writing a third: ~11 ms of the
-H200's ~58 ms step in the kernel profile (``bench_training_step --profile``, session 10), plus the casts. Here
+H200's ~58 ms step in the kernel profile (``bench_training_step --profile``), plus the casts. Here
 one program per row reads the bf16 logits twice (online max / sum-exp, then the gradient) and overwrites them
 with the gradient, so the lm_head's backward matmul reads them directly (``linear_cross_entropy.py``).
 

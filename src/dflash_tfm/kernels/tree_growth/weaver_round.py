@@ -27,7 +27,7 @@ from dflash_tfm.kernels import use_triton
 from dflash_tfm.kernels.tree_growth import reference
 
 LOGPROB_FLOOR = reference.LOGPROB_FLOOR
-# Launch shapes, from the H200 timings of a budget-64 tree's rounds (docs/data/spec_step_h200s1*.json, four
+# Launch shapes, from the H200 timings of a budget-64 tree's rounds (docs/data/perf/spec_step_h200_2026-12-03*.json, four
 # runs): re-scoring 16 pool rows per program with 4 warps (5.5–6.2 µs; 4, 8 or 32 rows were 3–20 % slower with
 # the output norm fused in), publishing with 1 warp, whose 16 arg-max passes then need no cross-warp exchange
 # through shared memory (5.5–5.8 µs against 9.1–9.8 with 4 warps).

@@ -228,7 +228,7 @@ def _block_n(n: int) -> int:
 # (`dflash_tfm.tuning`). The default tiles (one program per 16 or 32 columns, BK 128) streamed the Weaver's 59 MB
 # per round at ~0.8 TB/s on the H200, cuBLAS the same projections at ~1.5 TB/s: wider K steps, more
 # stages, and K split over several programs keep more weight bytes in flight. Of the ten tiles timed, each
-# projection took one of these three in every recorded run (docs/data/spec_step_h200s1*.json): the normed qkv
+# projection took one of these three in every recorded run (docs/data/perf/spec_step_h200_2026-12-03*.json): the normed qkv
 # "n32 k256 s4" (12.8–14.3 µs), o_proj and down "n32 k128 s4 x4" (4.5–5.2 µs), the normed SwiGLU gate_up
 # "n32 k64 s4 x8" (9.8–10.9 µs).
 ROW_TILES = {"default": None, "n32 k256 s4": (32, 256, 4, 4, 1), "n32 k128 s4 x4": (32, 128, 4, 4, 4),
