@@ -60,8 +60,9 @@ def measure(decoder: SpeculativeDecoder, prompt: list[int], params: SamplingPara
     # Each pure phase's graph replayed on its own (same inputs, so the same work), every replay from an idle
     # GPU: so these include the graph's launch latency, which inside the step is hidden behind the phase before
     # (the draft behind the previous commit): any excess over the in-step times is that latency.
-    keys = {"draft": ("draft", decoder.runner.bucket(decoder.length + decoder.max_depth)), "tree": ("tree",),
-            "verify": ("verify",)}
+    size = decoder.last_step_drafts
+    keys = {"draft": ("draft", decoder.runner.bucket(decoder.length + decoder.max_depth)), "tree": ("tree", size),
+            "verify": ("verify", size)}
     for phase, key in keys.items():
         if key in decoder.graphs:
             out[f"{phase}_alone"] = time_ms(lambda key=key: decoder.graphs.run(key, lambda: None), 20, warmup=3)

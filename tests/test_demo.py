@@ -38,6 +38,28 @@ def test_demo_runs_all_algorithms_with_random_bundle(capsys, tmp_path: Path, sin
     for r in rows:
         assert r["prompts"] >= 1 and r["tokens"] >= 1 and r["tau"] >= 1.0 and r["tok_s"] > 0
         assert r["speedup"] > 0 and (r["algorithm"] != "AR" or abs(r["speedup"] - 1.0) < 1e-9)
+        if r["algorithm"] == "AR":
+            assert r["verify_ms"] is None and r["sizes"] == "-"
+        else:  # where a speculative step's time goes, and the fixed proposal size every step took
+            assert r["verify_ms"] > 0 and r["draft_ms"] > 0 and r["commit_ms"] > 0
+            assert r["sizes"] == ("15:100%" if r["algorithm"] == "DFLASH" else "16:100%")
+
+
+def test_demo_auto_budget_shows_sizes_and_repeat_check(capsys, tmp_path: Path, single_thread: None) -> None:
+    """The default budget is "auto": sizes are measured at start and chosen per step; the table names them, and
+    --repeat-check times every cell twice and says how far apart the passes are."""
+    out = tmp_path / "demo.json"
+    code = main(["--random-bundle", "--device", "cpu", "--datasets", "gsm8k", "--prompts-per-dataset", "1",
+                 "--max-new-tokens", "8", "--max-model-len", "512", "--repeat-check", "--json", str(out)])
+    assert code == 0
+    text = capsys.readouterr().out
+    assert "budget auto" in text and "first vs repeated timed pass: largest difference" in text
+    data = json.loads(out.read_text())
+    for r in data["rows"]:
+        if r["algorithm"] != "AR":
+            sizes = dict(part.split(":") for part in r["sizes"].split())
+            assert sizes and all(int(size) >= 0 for size in sizes)
+    assert all(c["repeat_seconds"] > 0 for c in data["cells"])
 
 
 def test_missing_bundle_means_ar_only_with_a_clear_note(tmp_path: Path) -> None:

@@ -28,6 +28,7 @@ def test_defaults_and_normalisation() -> None:
 @pytest.mark.parametrize("kwargs,message", [
     (dict(algorithm="EAGLE"), "unknown algorithm (--speculative-algorithm) 'EAGLE'"),
     (dict(algorithm="DDTREE", tree_budget=0), "tree_budget (--speculative-tree-budget) must be an integer >= 1"),
+    (dict(algorithm="DDTREE", tree_budget="big"), "or 'auto', got 'big'"),
     (dict(algorithm="DFLASH_TFM", children_per_node=0), "children_per_node"),
     (dict(algorithm="DFLASH", block_size=1), "block_size (--speculative-dflash-block-size) must be >= 2"),
     (dict(algorithm="DFLASH", gdn_verify_kernel="fast"), "must be one of chunk, recurrent"),
@@ -49,6 +50,15 @@ def test_checkpoints_from_bundle_or_required(tmp_path: Path) -> None:
         SpeculativeConfig("DFLASH_TFM", draft_model_path="/d").with_checkpoints()
 
 
+def test_budget_flag_takes_auto_or_a_number(capsys) -> None:
+    assert speculative_config_from_args(parse("--speculative-algorithm", "DDTREE")).tree_budget == "auto"
+    assert speculative_config_from_args(parse("--speculative-algorithm", "DDTREE", "--speculative-tree-budget",
+                                              "AUTO")).adaptive
+    with pytest.raises(SystemExit):
+        parse("--speculative-tree-budget", "lots")
+    assert "expected 'auto' or an integer" in capsys.readouterr().err
+
+
 def test_flags_both_budget_spellings_and_unused_ones() -> None:
     for flag in ("--speculative-tree-budget", "--speculative-dflash-tfm-tree-budget"):
         spec = speculative_config_from_args(parse("--speculative-algorithm", "ddtree", flag, "32"))
@@ -65,4 +75,5 @@ def test_describe_names_files_not_paths() -> None:
     info = SpeculativeConfig("DFLASH_TFM", "/models/drafter", "/models/w.pth", block_size=16).describe()
     assert info["speculative_draft_model"] == "drafter" and info["speculative_dflash_tfm_model"] == "w.pth"
     assert info["speculative_tree_budget"] == DEFAULT_TREE_BUDGET
-    assert SpeculativeConfig("DFLASH", "/d").describe()["speculative_tree_budget"] is None
+    assert SpeculativeConfig("DFLASH", "/d", tree_budget=8).describe()["speculative_tree_budget"] is None
+    assert SpeculativeConfig("DFLASH", "/d").describe()["speculative_tree_budget"] == "auto"  # adapts the chain

@@ -7,12 +7,17 @@ DFLASH_TFM, and prints τ (tokens per target forward), tokens/s and the speedup 
 plus the macro average over datasets.
 
 Why it is measured this way: one target is loaded and only the decoder is swapped (``build_decoder``), so every
-algorithm sees the same weights and caches; on a GPU each algorithm first decodes one untimed request reaching
-past the longest timed one (CUDA-graph capture and kernel compilation stay out of the numbers; a CPU has
-nothing to warm);
+algorithm sees the same weights and caches; on a GPU each algorithm first prefills every timed prompt, takes one
+step at every proposal size it may choose, and decodes one untimed request reaching past the longest timed one, so
+CUDA-graph capture, kernel compilation and tuning stay out of the numbers (``--repeat-check`` times everything twice
+to show it: the two passes should agree within 5 %; a CPU has nothing to warm);
 tok/s = Σ tokens / Σ wall-clock per request, prefill included, as the benchmark harness counts it (BENCHMARK.md);
 sampled runs use seed + prompt index for every algorithm. On a CPU a verify pass costs about its node count in
 compute, so speculative decoding only pays off there with a high τ; the GPU (memory-bound) is where it shines.
+
+The tree budget is "auto" by default: each step takes the proposal size (0 = a plain decode step) that maximises
+expected tokens per second from step times measured on this machine, and the table shows the sizes taken and
+where a step's time goes (draft / tree / verify / commit).
 
 Without a bundle the demo says so and runs AR only; ``--random-bundle`` writes random drafter and Weaver
 checkpoints in the published formats to show the machinery, and labels the table "untrained".
@@ -36,6 +41,7 @@ from tqdm.auto import tqdm
 
 from dflash_tfm.config import ModelConfig
 from dflash_tfm.loading.default_model import DEFAULT_BUNDLE
+from dflash_tfm.speculative_config import AUTO, tree_budget_arg
 
 if TYPE_CHECKING:
     from dflash_tfm import Engine
@@ -120,15 +126,45 @@ def fit_prompts(
     return fitted, notes
 
 
+PHASES = ("draft", "tree", "verify", "commit")
+
+
 @dataclass
 class Cell:
-    """One (dataset, algorithm) entry: totals over its prompts and the per-request τ."""
+    """One (dataset, algorithm) entry: totals over its prompts, the per-request τ, the decode steps' phase time
+    and the proposal sizes they took."""
 
     dataset: str
     algorithm: str
     tokens: int = 0
     seconds: float = 0.0
     taus: list[float] = field(default_factory=list)
+    steps: int = 0
+    phase_seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
+    sizes: dict[int, int] = field(default_factory=dict)  # decode steps per proposal size
+    repeat_seconds: float | None = None  # the same requests timed again (--repeat-check)
+
+    def add(self, stats, seconds: float) -> None:
+        self.seconds += seconds
+        self.tokens += stats.completion_tokens
+        self.taus.append(stats.accept_length)
+        self.steps += stats.verify_steps - 1  # the prefill made the first token
+        for phase in PHASES:
+            self.phase_seconds[phase] += getattr(stats, f"{phase}_seconds")
+        self.count_sizes(stats.draft_sizes)
+
+    def count_sizes(self, sizes: dict[int, int]) -> None:
+        for size, steps in sizes.items():
+            self.sizes[size] = self.sizes.get(size, 0) + steps
+
+    def phase_ms(self, phase: str) -> float:
+        return 1e3 * self.phase_seconds[phase] / self.steps if self.steps else 0.0
+
+    def sizes_text(self) -> str:
+        """The proposal sizes taken, most frequent first, with their share of the decode steps."""
+        total = sum(self.sizes.values())
+        common = sorted(self.sizes.items(), key=lambda item: -item[1])[:3]
+        return " ".join(f"{size}:{100 * n / total:.0f}%" for size, n in common) if total else "-"
 
     @property
     def tau(self) -> float:
@@ -140,32 +176,40 @@ class Cell:
 
 
 def warm_up(engine: Engine, texts: list[str], max_new_tokens: int, temperature: float, seed: int) -> None:
-    """GPU only: decode from the shortest prompt to beyond where the longest request will end, so every key-length
-    bucket's CUDA graph is captured and every compiled shape is built before anything is timed."""
+    """GPU only: prefill every timed prompt (each prompt length is its own prefill shape, tuned and compiled at
+    first sight), take one step at every proposal size the decoder may choose with these sampling settings, then
+    decode from the shortest prompt to beyond where the longest request will end, so every key-length bucket's
+    CUDA graph is captured before anything is timed."""
     from dflash_tfm import SamplingParams
+    from dflash_tfm.sampling import make_generator
 
-    lengths = [len(engine.encode_prompt(t, chat=True)) for t in texts]
-    shortest = min(range(len(texts)), key=lengths.__getitem__)
-    reach = min(max(lengths) + max_new_tokens, engine.max_model_len - 1) - lengths[shortest]
-    params = SamplingParams(temperature=temperature, max_new_tokens=max(1, reach), seed=seed, ignore_eos=True)
-    engine.generate(texts[shortest], params, chat=True)
+    ids = [engine.encode_prompt(t, chat=True) for t in texts]
+    for prompt in ids:
+        engine.generate(prompt, SamplingParams(temperature=temperature, max_new_tokens=1, seed=seed))
+    shortest = min(range(len(texts)), key=lambda i: len(ids[i]))
+    params = SamplingParams(temperature=temperature, seed=seed, ignore_eos=True)
+    if getattr(engine.decoder, "budget", None) is not None:
+        engine.decoder.warm_up_sizes(ids[shortest], params, make_generator(params, engine.device))
+    params.max_new_tokens = max(1, min(max(map(len, ids)) + max_new_tokens, engine.max_model_len - 1) - len(ids[shortest]))
+    engine.generate(ids[shortest], params)
 
 
 def run_algorithms(
     engine: Engine, bundle: Bundle, prompts: dict[str, list[str]], *, max_new_tokens: int, temperature: float,
-    budget: int, seed: int, algorithms: list[str] | None = None, on_cell: Callable[[Cell], None] | None = None,
-    progress: bool = True, children_per_node: int | None = None,
+    budget: int | str, seed: int, algorithms: list[str] | None = None, on_cell: Callable[[Cell], None] | None = None,
+    progress: bool = True, children_per_node: int | None = None, repeat: bool = False,
 ) -> list[Cell]:
     """Decode every prompt with every algorithm the bundle allows (or those of ``algorithms`` it allows), one
     decoder at a time on one target; ``on_cell`` sees each finished (dataset, algorithm) cell.
-    ``children_per_node``: DFLASH_TFM's tree width (None: the engine default)."""
+    ``children_per_node``: DFLASH_TFM's tree width (None: the engine default). ``repeat``: time each cell's
+    requests a second time into ``Cell.repeat_seconds`` (the same seeds: the same tokens)."""
     from dflash_tfm import SamplingParams, SpeculativeConfig
     from dflash_tfm.engine.decoder_factory import build_decoder
 
     algorithms = [a for a in bundle.algorithms() if algorithms is None or a in algorithms]
     every_text = [t for texts in prompts.values() for t in texts]
     cells: list[Cell] = []
-    total = len(algorithms) * sum(len(t) for t in prompts.values())
+    total = len(algorithms) * sum(len(t) for t in prompts.values()) * (2 if repeat else 1)
     with tqdm(total=total, desc="demo", unit="request", disable=not progress) as bar:
         for algo in algorithms:
             spec = SpeculativeConfig() if algo == "AR" else SpeculativeConfig(
@@ -176,15 +220,20 @@ def run_algorithms(
                 warm_up(engine, every_text, max_new_tokens, temperature, seed)
             for dataset, texts in prompts.items():
                 cell = Cell(dataset, algo)
-                for i, text in enumerate(texts):
-                    params = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, seed=seed + i)
-                    start = time.perf_counter()
-                    out = engine.generate(text, params, chat=True)
-                    cell.seconds += time.perf_counter() - start
-                    cell.tokens += out.stats.completion_tokens
-                    cell.taus.append(out.stats.accept_length)
-                    bar.set_postfix_str(f"{algo} {dataset}")
-                    bar.update()
+                for timed_pass in range(2 if repeat else 1):
+                    seconds = 0.0
+                    for i, text in enumerate(texts):
+                        params = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, seed=seed + i)
+                        start = time.perf_counter()
+                        out = engine.generate(text, params, chat=True)
+                        elapsed = time.perf_counter() - start
+                        seconds += elapsed
+                        if timed_pass == 0:
+                            cell.add(out.stats, elapsed)
+                        bar.set_postfix_str(f"{algo} {dataset}")
+                        bar.update()
+                    if timed_pass == 1:
+                        cell.repeat_seconds = seconds
                 cells.append(cell)
                 if on_cell is not None:
                     on_cell(cell)
@@ -197,7 +246,8 @@ def summarize(cells: list[Cell]) -> list[dict]:
     ar = {c.dataset: c.tok_s for c in cells if c.algorithm == "AR"}
     datasets = list(dict.fromkeys(c.dataset for c in cells))
     rows = [{"dataset": c.dataset, "algorithm": c.algorithm, "prompts": len(c.taus), "tokens": c.tokens,
-             "tau": c.tau, "tok_s": c.tok_s, "speedup": c.tok_s / ar[c.dataset] if ar.get(c.dataset) else None}
+             "tau": c.tau, "tok_s": c.tok_s, "speedup": c.tok_s / ar[c.dataset] if ar.get(c.dataset) else None,
+             **_step_columns([c])}
             for d in datasets for c in cells if c.dataset == d]
     ar_mean = sum(ar.values()) / len(ar) if ar else 0.0
     for algo in dict.fromkeys(c.algorithm for c in cells):
@@ -205,15 +255,40 @@ def summarize(cells: list[Cell]) -> list[dict]:
         tok_s = sum(c.tok_s for c in mine) / len(mine)
         rows.append({"dataset": "Macro Avg", "algorithm": algo, "prompts": sum(len(c.taus) for c in mine),
                      "tokens": sum(c.tokens for c in mine), "tau": sum(c.tau for c in mine) / len(mine),
-                     "tok_s": tok_s, "speedup": tok_s / ar_mean if ar_mean else None})
+                     "tok_s": tok_s, "speedup": tok_s / ar_mean if ar_mean else None, **_step_columns(mine)})
     return rows
+
+
+def _step_columns(cells: list[Cell]) -> dict:
+    """ms per decode step of each phase (speculative algorithms only) and the proposal sizes taken."""
+    merged = Cell("", "")
+    for c in cells:
+        merged.steps += c.steps
+        merged.count_sizes(c.sizes)
+        for phase in PHASES:
+            merged.phase_seconds[phase] += c.phase_seconds[phase]
+    timed = any(merged.phase_seconds.values())
+    return {**{f"{phase}_ms": merged.phase_ms(phase) if timed else None for phase in PHASES},
+            "sizes": merged.sizes_text() if timed else "-"}
+
+
+def pass_deviation(cells: list[Cell]) -> tuple[float, str]:
+    """The largest relative difference between a cell's first and repeated timed pass, and its cell."""
+    worst, where = 0.0, "-"
+    for c in cells:
+        if c.repeat_seconds is not None and c.seconds > 0:
+            gap = abs(c.repeat_seconds - c.seconds) / c.seconds
+            if gap >= worst:
+                worst, where = gap, f"{c.dataset} {c.algorithm}"
+    return worst, where
 
 
 def render(rows: list[dict], title: str, console: Console) -> None:
     """One rich table, a section per dataset, Macro Avg last (rich prints plain box text when not a terminal)."""
     table = Table(title=title)
     for name, justify in (("dataset", "left"), ("algorithm", "left"), ("prompts", "right"), ("tokens", "right"),
-                          ("τ", "right"), ("tok/s", "right"), ("speedup", "right")):
+                          ("τ", "right"), ("tok/s", "right"), ("speedup", "right"),
+                          ("ms/step: draft tree verify commit", "right"), ("sizes taken", "left")):
         table.add_column(name, justify=justify)  # type: ignore[arg-type]
     previous = None
     for r in rows:
@@ -221,8 +296,9 @@ def render(rows: list[dict], title: str, console: Console) -> None:
             table.add_section()
         previous = r["dataset"]
         speedup = "-" if r["speedup"] is None else f"{r['speedup']:.2f}x"
+        phases = "-" if r["verify_ms"] is None else " ".join(f"{r[f'{p}_ms']:.2f}" for p in PHASES)
         table.add_row(r["dataset"], r["algorithm"], str(r["prompts"]), str(r["tokens"]), f"{r['tau']:.2f}",
-                      f"{r['tok_s']:.1f}", speedup)
+                      f"{r['tok_s']:.1f}", speedup, phases, r["sizes"])
     console.print(table)
 
 
@@ -239,7 +315,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=None,
                    help="default: 32 on CPU, 256 on GPU")
     p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--budget", type=int, default=64, help="DDTREE / DFLASH_TFM tree budget (nodes below the root)")
+    p.add_argument("--budget", type=tree_budget_arg, default=AUTO,
+                   help="proposal size (nodes below the root) for DDTREE / DFLASH_TFM, or 'auto' (the default): each "
+                        "step takes the size that pays best on this machine, 0 (a plain decode step) included; 'auto' "
+                        "also adapts DFLASH's chain length")
+    p.add_argument("--repeat-check", action="store_true",
+                   help="time every cell twice and report how far the passes differ (warm-up is complete when they "
+                        "agree within 5 %%)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed of prompt i is seed + i")
     p.add_argument("--device", default=None, help="cuda, cpu (default: cuda if available)")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
@@ -258,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
     from dflash_tfm.errors import CheckpointError
 
     args = build_parser().parse_args(argv)
-    console = Console()
+    console = Console() if sys.stdout.isatty() else Console(width=160)  # a pipe or log: wide enough for the table
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
@@ -283,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
             for note in [engine.kernel_path, *notes]:
                 console.print(note, markup=False, highlight=False)
             cells = run_algorithms(engine, bundle, prompts, max_new_tokens=max_new, temperature=args.temperature,
-                                   budget=args.budget, seed=args.seed)
+                                   budget=args.budget, seed=args.seed, repeat=args.repeat_check)
     except (FileNotFoundError, CheckpointError, ValueError) as e:
         print(f"dflash-tfm demo: error: {e}", file=sys.stderr)
         return 2
@@ -291,6 +373,11 @@ def main(argv: list[str] | None = None) -> int:
     title = (f"{engine.model_path.name} on {device.type} ({engine.dtype}), {bundle.label}; "
              f"{max_new} new tokens, temperature {args.temperature}, budget {args.budget}")
     render(rows, title, console)
+    if args.repeat_check:
+        worst, where = pass_deviation(cells)
+        verdict = "within 5 %" if worst <= 0.05 else "MORE than 5 %: warm-up missed something"
+        console.print(f"first vs repeated timed pass: largest difference {100 * worst:.1f} % ({where}), {verdict}",
+                      markup=False, highlight=False)
     if args.json:
         settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
         settings.update(device=str(device), prompts_per_dataset=per_dataset, max_new_tokens=max_new, label=bundle.label)

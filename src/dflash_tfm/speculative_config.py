@@ -9,7 +9,10 @@ and from a shell.
                         drafter's marginals) or DFLASH_TFM (Weaver-grown tree)
     draft_model_path    the DFlash drafter directory (z-lab format)
     weaver_path         the Weaver .pth checkpoint (DFLASH_TFM only)
-    tree_budget         draft nodes per tree (DDTREE, DFLASH_TFM); a tree of budget + 1 nodes is verified
+    tree_budget         draft nodes per tree (DDTREE, DFLASH_TFM; a tree of budget + 1 nodes is verified), or "auto":
+                        every step picks the size that maximises expected tokens per second from sizes measured
+                        on this machine (engine/budget.py), 0 (a plain decode step) included; for DFLASH, "auto"
+                        picks the chain's length the same way
     children_per_node   children a DFLASH_TFM node publishes when Weaver expands it
     block_size          must equal the drafter's own block size when given (drafters are trained for one)
     gdn_verify_kernel   the Gated-DeltaNet tree solve: "chunk" (one chunked solve) or "recurrent" (per node)
@@ -23,7 +26,8 @@ from pathlib import Path
 ALGORITHMS = ("DFLASH", "DDTREE", "DFLASH_TFM")
 TREE_ALGORITHMS = ("DDTREE", "DFLASH_TFM")
 GDN_VERIFY_KERNELS = ("chunk", "recurrent")
-DEFAULT_TREE_BUDGET = 64
+AUTO = "auto"
+DEFAULT_TREE_BUDGET = AUTO
 # Children an expanded node publishes. The published system uses 8; 16 measured better here: the exact expected
 # accept length over the same states (benchmarks/tree_expectation.py, docs/TRAINING.md) rose at T = 1 on all
 # four prompt sets (+0.06 … +0.39 per step) and never fell at T = 0. 8 stays selectable.
@@ -48,12 +52,26 @@ def _name(field: str) -> str:
     return f"{field} ({FLAGS[field]})"
 
 
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def tree_budget_arg(text: str) -> int | str:
+    """The budget flag's value: "auto" or a positive integer."""
+    if text.lower() == AUTO:
+        return AUTO
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected 'auto' or an integer, got {text!r}") from None
+
+
 @dataclass(frozen=True)
 class SpeculativeConfig:
     algorithm: str | None = None
     draft_model_path: str | Path | None = None
     weaver_path: str | Path | None = None
-    tree_budget: int = DEFAULT_TREE_BUDGET
+    tree_budget: int | str = DEFAULT_TREE_BUDGET
     children_per_node: int = DEFAULT_CHILDREN_PER_NODE
     block_size: int | None = None
     gdn_verify_kernel: str = "chunk"
@@ -64,10 +82,12 @@ class SpeculativeConfig:
             raise SpeculativeConfigError(
                 f"unknown {_name('algorithm')} {self.algorithm!r}; choose NONE or one of {', '.join(ALGORITHMS)}")
         object.__setattr__(self, "algorithm", algo)
-        for field, low in (("tree_budget", 1), ("children_per_node", 1)):
-            value = getattr(self, field)
-            if not isinstance(value, int) or value < low:
-                raise SpeculativeConfigError(f"{_name(field)} must be an integer >= {low}, got {value!r}")
+        if self.tree_budget != AUTO and (not _is_int(self.tree_budget) or self.tree_budget < 1):
+            raise SpeculativeConfigError(f"{_name('tree_budget')} must be an integer >= 1 or 'auto', "
+                                         f"got {self.tree_budget!r}")
+        if not _is_int(self.children_per_node) or self.children_per_node < 1:
+            raise SpeculativeConfigError(f"{_name('children_per_node')} must be an integer >= 1, "
+                                         f"got {self.children_per_node!r}")
         if self.block_size is not None and (not isinstance(self.block_size, int) or self.block_size < 2):
             raise SpeculativeConfigError(
                 f"{_name('block_size')} must be >= 2 (the root and at least one draft), got {self.block_size!r}")
@@ -84,7 +104,12 @@ class SpeculativeConfig:
 
     @property
     def uses_tree_budget(self) -> bool:
-        return self.algorithm in TREE_ALGORITHMS
+        """Whether the algorithm reads tree_budget: the tree algorithms, and DFLASH when it is "auto"."""
+        return self.algorithm in TREE_ALGORITHMS or (self.algorithm == "DFLASH" and self.adaptive)
+
+    @property
+    def adaptive(self) -> bool:
+        return self.tree_budget == AUTO
 
     def with_checkpoints(self, bundle: Path | None = None) -> SpeculativeConfig:
         """The config with its checkpoint paths required: missing ones are taken from `bundle` (a directory
@@ -128,7 +153,10 @@ def add_speculative_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-draft-model-path", default=None, help="the DFlash drafter directory")
     p.add_argument("--speculative-dflash-tfm-path", default=None, help="the Weaver checkpoint (.pth), DFLASH_TFM only")
     p.add_argument("--speculative-tree-budget", "--speculative-dflash-tfm-tree-budget", dest="speculative_tree_budget",
-                   type=int, default=None, help=f"draft nodes per tree, DDTREE and DFLASH_TFM (default {DEFAULT_TREE_BUDGET})")
+                   type=tree_budget_arg, default=None,
+                   help="draft nodes per tree (DDTREE, DFLASH_TFM), or 'auto' (the default): each step picks the size "
+                        "that maximises expected tokens per second on this machine, a plain decode step included; "
+                        "for DFLASH, 'auto' adapts the chain's length")
     p.add_argument("--speculative-dflash-tfm-children-per-node", type=int, default=None,
                    help=f"children a DFLASH_TFM node publishes per Weaver expansion (default {DEFAULT_CHILDREN_PER_NODE}; "
                         "the published system: 8)")
@@ -173,7 +201,8 @@ def unused_speculative_flags(ns: argparse.Namespace, spec: SpeculativeConfig) ->
     launch scripts often pass one flag set to every algorithm."""
     unused = {}
     if ns.speculative_tree_budget is not None and spec.enabled and not spec.uses_tree_budget:
-        unused[f"{FLAGS['tree_budget']}={ns.speculative_tree_budget}"] = f"{spec.algorithm} verifies a chain, not a tree"
+        unused[f"{FLAGS['tree_budget']}={ns.speculative_tree_budget}"] = (
+            f"{spec.algorithm} verifies its whole chain; only 'auto' adapts its length")
     children = ns.speculative_dflash_tfm_children_per_node
     if children is not None and spec.algorithm in ("DFLASH", "DDTREE"):
         unused[f"{FLAGS['children_per_node']}={children}"] = f"{spec.algorithm} grows no Weaver tree"

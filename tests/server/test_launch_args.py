@@ -66,7 +66,7 @@ def test_num_draft_tokens_alone_sets_block_size() -> None:
     args = parse_server_args(["--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", "/d",
                               "--speculative-num-draft-tokens", "8"])
     assert args.speculative.block_size == 8
-    assert args.speculative.describe()["speculative_tree_budget"] is None  # chain: no tree
+    assert args.speculative.describe()["speculative_tree_budget"] == "auto"  # the chain's length adapts
 
 
 def test_embedded_target_takes_the_bundle_like_generate() -> None:
@@ -105,7 +105,7 @@ DFLASH = ["--speculative-algorithm", "DFLASH", "--speculative-draft-model-path",
     (["--speculative-draft-model-path", "/d", "--speculative-num-draft-tokens", "16"],
      "--speculative-draft-model-path, --speculative-num-draft-tokens given without --speculative-algorithm"),
     (["--speculative-algorithm", "DDTREE", "--speculative-draft-model-path", "/d",
-      "--speculative-dflash-tfm-tree-budget", "0"], "(--speculative-tree-budget) must be an integer >= 1, got 0"),
+      "--speculative-dflash-tfm-tree-budget", "0"], "(--speculative-tree-budget) must be an integer >= 1 or 'auto', got 0"),
     (DFLASH + ["--speculative-dflash-block-size", "1"], "(--speculative-dflash-block-size) must be >= 2"),
     (["--speculative-dflash-tfm-children-per-node", "8"],
      "--speculative-dflash-tfm-children-per-node given without --speculative-algorithm"),

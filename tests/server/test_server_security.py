@@ -211,7 +211,9 @@ def test_extreme_sampling_values_return_the_greedy_tokens(spec_server: ServerPro
 def test_model_info_reports_the_speculation_as_run(spec_server: ServerProcess) -> None:
     info = httpx.get(f"{spec_server.base_url}/get_model_info", timeout=10.0).json()
     assert info["speculative_algorithm"] == "DFLASH_TFM"
-    assert info["speculative_dflash_block_size"] == 16 and info["speculative_tree_budget"] == 64
+    assert info["speculative_dflash_block_size"] == 16 and info["speculative_tree_budget"] == "auto"
+    step_ms = {int(size): ms for size, ms in info["speculative_step_ms_by_size"].items()}
+    assert set(step_ms) == {0, 8, 16, 32, 64} and all(ms > 0 for ms in step_ms.values())  # measured at start
     assert info["speculative_draft_model"] == "dflash" and info["speculative_dflash_tfm_model"] == "weaver.pth"
     assert not any(isinstance(v, str) and "/" in v for v in info.values()), info  # no paths leave the server
 
@@ -231,6 +233,9 @@ def test_metrics_count_speculation_by_algorithm(spec_server: ServerProcess) -> N
 
     steps = out["meta_info"]["spec_verify_ct"]
     assert delta("dflash_tfm_spec_verify_steps_total") == steps
-    assert delta("dflash_tfm_spec_draft_tokens_total") == 64 * (steps - 1)  # every decode step verifies 64 drafts
+    by_size = {int(dict(labels)["size"]): value - before.get((name, labels), 0.0)
+               for (name, labels), value in after.items() if name == "dflash_tfm_spec_steps_total"}
+    assert sum(by_size.values()) == steps - 1  # every decode step, at the size the budget chose
+    assert delta("dflash_tfm_spec_draft_tokens_total") == sum(size * n for size, n in by_size.items())
     # each step after the prefill yields its accepted drafts plus one token of the target's own
     assert delta("dflash_tfm_spec_accepted_tokens_total") == len(out["output_ids"]) - 1 - (steps - 1)

@@ -25,6 +25,7 @@ from dflash_tfm.spec.accept import target_draws
 from dflash_tfm.spec.fixtures import write_random_dflash_checkpoint
 from dflash_tfm.spec.weaver_fixtures import write_random_weaver_checkpoint
 from tests import spec_config
+from tests.spec.test_speculative_decoding import CyclingBudget
 
 V = 6
 PROMPT = [1, 4, 2, 5, 3]
@@ -95,14 +96,18 @@ CASES = [
     ("DDTREE", 8, SamplingParams(temperature=0.8, top_k=4, top_p=0.9)),
     ("DFLASH_TFM", 16, SamplingParams(temperature=1.0)),
     ("DFLASH_TFM", 8, SamplingParams(temperature=1.3, top_p=0.85)),
+    ("DFLASH_TFM", "auto", SamplingParams(temperature=1.0)),  # sizes chosen per step from the history
+    ("DDTREE", "cycled", SamplingParams(temperature=0.9, top_p=0.95)),  # every size in turn, 0 included
 ]
 
 
 @pytest.mark.parametrize("algo, budget, params", CASES, ids=[f"{a}-{b}-{p.temperature}" for a, b, p in CASES])
-def test_generated_tokens_follow_the_target_distribution(setup, algo: str, budget: int, params: SamplingParams) -> None:
+def test_generated_tokens_follow_the_target_distribution(setup, algo: str, budget, params: SamplingParams) -> None:
     cfg, model, root = setup
     runner = ModelRunner(model, max_len=128, device=torch.device("cpu"), use_cuda_graph=False)
-    decoder = build_decoder(runner, cfg, spec_config(algo, root, budget))
+    decoder = build_decoder(runner, cfg, spec_config(algo, root, "auto" if budget == "cycled" else budget))
+    if budget == "cycled":
+        decoder.budget = CyclingBudget(sorted(decoder.budget.step_seconds))
     counts = sample_counts(decoder, params)
     rejected, stat, crit = chi_square_rejects(counts, exact_distribution(model, params))
     assert not rejected, f"chi2 {stat:.1f} > {crit:.1f}"

@@ -16,6 +16,7 @@ import torch
 from benchmarks.tree_expectation import step_scoring
 from dflash_tfm.config import ModelConfig
 from dflash_tfm.engine.autoregressive import AutoregressiveDecoder
+from dflash_tfm.engine.budget import BudgetController
 from dflash_tfm.engine.decoder_factory import build_decoder, build_proposer
 from dflash_tfm.engine.model_runner import ModelRunner
 from dflash_tfm.engine.speculative import SpeculativeDecoder
@@ -175,3 +176,33 @@ def test_step_scoring_commits_like_step_and_scores_exactly(target) -> None:
         tokens += out
     assert tokens[:N_TOKENS] == reference[:N_TOKENS]
     assert max(chain_scores) <= 4 < max(tree_scores)  # the chain stops at each demoted depth, the tree goes on
+
+
+class CyclingBudget(BudgetController):
+    """Takes every candidate size in turn (drafting each step), so one request crosses every size change."""
+
+    def __init__(self, sizes) -> None:
+        super().__init__(sizes, {b: 1.0 for b in sizes}, probe_every=1)
+        self.turn = 0
+
+    def tokens_per_second(self, estimate):
+        target = self.sizes[self.turn % len(self.sizes)]
+        self.turn += 1
+        return {b: float(b == target) for b in self.sizes}
+
+
+@pytest.mark.parametrize("algo", ["DFLASH", "DDTREE", "DFLASH_TFM"])
+def test_adaptive_budget_reproduces_greedy_while_sizes_change(target, algo: str) -> None:
+    """tree_budget "auto": step times measured at build, then sizes changing every step (cycled, 0 = a plain
+    decode step included) and as the controller picks them: the output is plain greedy decoding either way."""
+    cfg, model, root = target
+    reference = greedy_reference(model)
+    decoder = build_decoder(runner_for(model), cfg, spec_config(algo, root, "auto"))
+    times = decoder.budget.step_seconds
+    assert 0 in times and len(times) >= 4 and all(t > 0 for t in times.values())
+    assert decode(decoder)[0] == reference  # the controller's own choices
+    decoder.budget = CyclingBudget(sorted(times))
+    tokens, per_step = decode(decoder)
+    assert tokens == reference
+    assert decoder.budget.chosen.keys() == set(times)  # every size was taken
+    assert 1 in per_step  # size-0 steps emit exactly the target's own token

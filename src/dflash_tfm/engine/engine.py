@@ -89,6 +89,13 @@ class Engine:
         return self.speculative.algorithm
 
     @property
+    def budget_step_ms(self) -> dict[int, float] | None:
+        """An adaptive budget's candidate proposal sizes and their measured step times in ms (None: a fixed
+        budget, or autoregressive decoding)."""
+        budget = getattr(self.decoder, "budget", None)
+        return None if budget is None else {b: 1e3 * t for b, t in sorted(budget.step_seconds.items())}
+
+    @property
     def kernel_path(self) -> str:
         """One line naming the kernel choices this process takes (the tuning cache file and its table hash on a
         GPU): printed at start by the CLI, the demo and the server, so two runs can be seen to take one path."""
@@ -184,5 +191,7 @@ class Engine:
                 yield StreamDelta([tok], text, None, stats)
             pending = self.decoder.step(params, generator)
             stats.verify_steps += 1
-            stats.draft_tokens += self.decoder.last_step_drafts
+            size = self.decoder.last_step_drafts
+            stats.draft_tokens += size
+            stats.draft_sizes[size] = stats.draft_sizes.get(size, 0) + 1
             stats.accepted_draft_tokens += len(pending) - 1

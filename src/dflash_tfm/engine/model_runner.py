@@ -57,7 +57,7 @@ class ModelRunner:
         self.cache = ModelCache(model.config, max_len, batch=1, dtype=self.dtype, device=device)
         self.use_cuda_graph = use_cuda_graph and device.type == "cuda"
         self.prefill_chunk = prefill_chunk
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._graphs: dict[tuple[int, tuple[int, ...]], tuple[torch.cuda.CUDAGraph, tuple]] = {}
         self._graph_pool = None
         self._static_ids = torch.zeros(1, 1, dtype=torch.long, device=device)
         self._static_pos = torch.zeros(1, 1, dtype=torch.long, device=device)
@@ -89,25 +89,34 @@ class ModelRunner:
     @torch.inference_mode()
     def decode(self, token: torch.Tensor, position: int) -> torch.Tensor:
         """One token (a device tensor of 1 element) at `position` -> fp32 logits [1, V]; advances the caches."""
+        return self.decode_with_taps(token, position)[0]
+
+    @torch.inference_mode()
+    def decode_with_taps(self, token: torch.Tensor, position: int,
+                         tap_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+        """`decode` that also returns the final-normed hidden state [hidden] and the outputs of `tap_layers`
+        ([1, 1, hidden] each): a speculative decoder's plain decode step, which must still feed its drafter."""
         if position >= self.max_len:
             raise ValueError(f"position {position} is beyond the engine's max length {self.max_len}")
         kv_len = self.bucket(position)
         self._static_ids.copy_(token.view(1, 1))
         self._static_pos.fill_(position)
         if not self.use_cuda_graph:
-            return self._step(kv_len)
-        if kv_len not in self._graphs:
-            self._capture(kv_len)
-        graph, logits = self._graphs[kv_len]
+            return self._step(kv_len, tap_layers)
+        key = (kv_len, tap_layers)
+        if key not in self._graphs:
+            self._capture(kv_len, tap_layers)
+        graph, outputs = self._graphs[key]
         graph.replay()
-        return logits
+        return outputs
 
-    def _step(self, kv_len: int) -> torch.Tensor:
+    def _step(self, kv_len: int, tap_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor, list]:
         with skinny_projections():  # one row: the projections may take their tuned kernel (layers/linear.py)
-            hidden, _ = self.model(self._static_ids, self._static_pos, self.cache, kv_len=kv_len)
-            return self.model.logits(hidden[:, -1])
+            hidden, taps = self.model(self._static_ids, self._static_pos, self.cache, kv_len=kv_len,
+                                      tap_layers=tap_layers)
+            return self.model.logits(hidden[:, -1]), hidden[0, -1], taps
 
-    def _capture(self, kv_len: int) -> None:
+    def _capture(self, kv_len: int, tap_layers: tuple[int, ...]) -> None:
         """Warm up (compiles Triton kernels, picks cuBLAS algorithms) and capture one decode step.
 
         The warm-up step runs on a scratch copy of the recurrent caches' contents so capture leaves the
@@ -117,13 +126,13 @@ class ModelRunner:
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(2):
-                self._step(kv_len)
+                self._step(kv_len, tap_layers)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         if self._graph_pool is None:
             self._graph_pool = torch.cuda.graph_pool_handle()
         with torch.cuda.graph(graph, pool=self._graph_pool):
-            logits = self._step(kv_len)
+            outputs = self._step(kv_len, tap_layers)
         self.cache.states.copy_(saved[0])
         self.cache.windows.copy_(saved[1])
-        self._graphs[kv_len] = (graph, logits)
+        self._graphs[(kv_len, tap_layers)] = (graph, outputs)

@@ -12,7 +12,9 @@ class GenerationStats:
     token) plus one per decode step (one token in AR mode, one tree in speculative modes). So
     accept_length = completion_tokens / verify_steps is tau, exactly 1 for autoregressive decoding.
     draft_tokens counts the tokens proposed for verification (tree nodes below the root, summed over steps) and
-    accepted_draft_tokens those of them the target accepted (each step also yields one token of its own).
+    accepted_draft_tokens those of them the target accepted (each step also yields one token of its own);
+    draft_sizes counts the decode steps by proposal size (0: a plain decode step), which an adaptive budget
+    chooses per step.
     """
 
     prompt_tokens: int = 0
@@ -20,6 +22,7 @@ class GenerationStats:
     verify_steps: int = 0
     draft_tokens: int = 0
     accepted_draft_tokens: int = 0
+    draft_sizes: dict[int, int] = field(default_factory=dict)
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     draft_seconds: float = 0.0

@@ -373,6 +373,7 @@ class Handlers:
             "vocab_size": self.engine.config.vocab_size,
             "max_admitted_requests": self.scheduler.max_admitted,
             **self.engine.speculative.describe(),
+            "speculative_step_ms_by_size": getattr(self.engine, "budget_step_ms", None),
         })
 
     async def prometheus(self) -> Response:

@@ -2,8 +2,9 @@
 
 Token counters move per generated token, from the engine worker, so a cancelled request counts exactly the
 tokens it really decoded. Latency histograms are observed when a request finishes normally. Speculation
-counters (verify steps, drafted and accepted tokens) carry the algorithm as a label ("none" when decoding is
-autoregressive), so acceptance can be read as accepted / drafted and tokens per step as generated / steps.
+counters (verify steps, drafted and accepted tokens, decode steps per proposal size) carry the algorithm as a label
+("none" when decoding is autoregressive), so acceptance can be read as accepted / drafted, tokens per step as
+generated / steps, and an adaptive budget's choices from the steps per size.
 
 The exposition is served as text format 0.0.4, which every Prometheus 2.x scraper accepts (the client library's
 newest format, 1.0.0, is refused by scrapers before 3.0).
@@ -32,6 +33,9 @@ class ServerMetrics:
                                     ["algorithm"], registry=r).labels(**algo)
         self.accepted_tokens = Counter(f"{PREFIX}_spec_accepted_tokens", "Proposed tokens the target accepted",
                                        ["algorithm"], registry=r).labels(**algo)
+        self._steps_by_size = Counter(f"{PREFIX}_spec_steps", "Decode steps by proposal size (drafts verified; 0: a "
+                                      "plain decode step), as the budget chose them", ["algorithm", "size"], registry=r)
+        self._algorithm = algo["algorithm"]
         self.requests = Counter(f"{PREFIX}_http_requests", "HTTP requests by endpoint and status code",
                                 ["endpoint", "status"], registry=r)
         self.aborted = Counter(f"{PREFIX}_aborted_requests", "Requests cancelled before finishing (client left)",
@@ -51,6 +55,9 @@ class ServerMetrics:
                                 buckets=LATENCY_BUCKETS, registry=r)
         self.running = Gauge(f"{PREFIX}_num_running_requests", "Requests being decoded (0 or 1)", registry=r)
         self.queued = Gauge(f"{PREFIX}_num_queued_requests", "Admitted requests waiting for the engine", registry=r)
+
+    def steps_by_size(self, size: int):
+        return self._steps_by_size.labels(algorithm=self._algorithm, size=str(size))
 
     def render(self) -> bytes:
         """The Prometheus text exposition of this registry."""

@@ -174,8 +174,10 @@ class Scheduler:
         m.verify_steps.inc(stats.verify_steps - counted.verify_steps)
         m.draft_tokens.inc(stats.draft_tokens - counted.draft_tokens)
         m.accepted_tokens.inc(stats.accepted_draft_tokens - counted.accepted_draft_tokens)
+        for size, steps in stats.draft_sizes.items():
+            m.steps_by_size(size).inc(steps - counted.draft_sizes.get(size, 0))
         counted.verify_steps, counted.draft_tokens = stats.verify_steps, stats.draft_tokens
-        counted.accepted_draft_tokens = stats.accepted_draft_tokens
+        counted.accepted_draft_tokens, counted.draft_sizes = stats.accepted_draft_tokens, dict(stats.draft_sizes)
 
     def _run(self, job: Job) -> None:
         """Decode one job, checking its cancel flag between tokens; closing the stream stops the engine."""
@@ -194,7 +196,8 @@ class Scheduler:
                     m.ttft.observe(now - job.arrived)
                     m.prefill.observe(delta.stats.prefill_seconds)
                 m.generation_tokens.inc(len(delta.token_ids))
-                delta = replace(delta, stats=replace(delta.stats))  # the engine reuses its stats object
+                stats = replace(delta.stats, draft_sizes=dict(delta.stats.draft_sizes))  # the engine reuses its own
+                delta = replace(delta, stats=stats)
                 self._count_speculation(delta.stats, counted)
                 if delta.finish_reason is not None:
                     self._finish(job)

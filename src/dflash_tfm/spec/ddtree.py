@@ -23,14 +23,10 @@ import torch
 LOGPROB_FLOOR = -1e30  # −inf logits (masked vocab) become very unlikely but real candidates, never padding
 
 
-def build_ddtree(
-    root_token: torch.Tensor, logits: torch.Tensor, budget: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """DDTREE over logits [K, V] (row k − 1 = depth k) with ``budget`` nodes below the root.
-
-    Returns tokens, parents, depths ``[budget + 1]`` long (node 0 = root with parent −1, parents before
-    children, distinct sibling tokens, depth ≤ K). No host sync and static shapes: CUDA-graph capturable.
-    """
+def best_first(logits: torch.Tensor, budget: int) -> tuple[torch.Tensor, ...]:
+    """The ``budget`` best nodes of the best-first tree over logits [K, V], in heap-pop order (see the module
+    docstring): (score [budget] fp32 path log-probabilities, decreasing; depth0 [budget] = depth - 1;
+    token ids [budget]; parent slot [budget] in this order, 0 = the root). No host sync, static shapes."""
     K, V = logits.shape
     device = logits.device
     if budget < 1 or sum(V**d for d in range(1, K + 1)) < budget:  # only V == 1 can run out of nodes
@@ -50,15 +46,26 @@ def build_ddtree(
         score[d], parent[d], rank[d] = top[:beam], idx[:beam] // ranks, idx[:beam] % ranks
 
     # The best `budget` nodes over all depths; stable sort on the depth-major index breaks ties by depth.
-    picked = torch.sort(score.reshape(-1), descending=True, stable=True).indices[:budget]
+    best, picked = torch.sort(score.reshape(-1), descending=True, stable=True)
+    best, picked = best[:budget], picked[:budget]
     depth0, pos = picked // beam, picked % beam  # depth0 = depth − 1
     slot_of = torch.zeros(K * beam, dtype=torch.long, device=device)  # output slot of every picked beam entry
     slot_of[picked] = torch.arange(1, budget + 1, device=device)
     up = slot_of[(depth0 - 1).clamp(min=0) * beam + parent[depth0, pos]]
-    parents = torch.where(depth0 == 0, 0, up)
+    return best, depth0, ids[depth0, rank[depth0, pos]], torch.where(depth0 == 0, 0, up)
 
+
+def build_ddtree(
+    root_token: torch.Tensor, logits: torch.Tensor, budget: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """DDTREE over logits [K, V] (row k − 1 = depth k) with ``budget`` nodes below the root.
+
+    Returns tokens, parents, depths ``[budget + 1]`` long (node 0 = root with parent −1, parents before
+    children, distinct sibling tokens, depth ≤ K). No host sync and static shapes: CUDA-graph capturable.
+    """
+    _, depth0, ids, parents = best_first(logits, budget)
+    device = logits.device
     root = root_token.reshape(1).to(device=device, dtype=torch.long)
-    tokens = torch.cat([root, ids[depth0, rank[depth0, pos]]])
     minus_one = torch.full((1,), -1, dtype=torch.long, device=device)
     zero = torch.zeros(1, dtype=torch.long, device=device)
-    return tokens, torch.cat([minus_one, parents]), torch.cat([zero, depth0 + 1])
+    return torch.cat([root, ids]), torch.cat([minus_one, parents]), torch.cat([zero, depth0 + 1])
