@@ -4,7 +4,7 @@
 #   device run:  bash scripts/gpu_check.sh            (carry: .whl with the fla-core and gguf wheels)
 # Set GPU_CHECK_PARTS to a subset of "tests kernels tree ar verify draft spec projections profile
 # profile_verify train" to run only those parts, GPU_TESTS to test paths, VERIFY_NS to the verify step's tree
-# sizes. All parts take longer than one 10-minute device call: e.g. "tests" in one call, "ar verify spec
+# sizes, SPEC_BUDGETS to the speculative step's tree sizes. All parts take longer than one 10-minute device call: e.g. "tests" in one call, "ar verify spec
 # profile" in the next.
 # The tuned kernel choices (dflash_tfm/tuning.py) are timed at first use and kept in $OUT/cache/tuning, so they
 # come back with the logs; carry that folder in (DFLASH_TFM_CACHE) to reuse an earlier call's choices.
@@ -44,7 +44,9 @@ has draft && run bench_dflash_draft python3 -m benchmarks.bench_dflash_draft --p
 # The tree build first: it is the shorter of the two "spec" parts, and a call cut by its time limit still
 # returns what ran.
 has spec && run bench_tree_build python3 -m benchmarks.bench_tree_build --profile
-has spec && run bench_spec_step python3 -m benchmarks.bench_spec_step --out "$OUT/spec_step.json"
+# Every size the adaptive budget may take (the step-time table behind benchmarks/project_speedup.py).
+has spec && run bench_spec_step python3 -m benchmarks.bench_spec_step --budgets ${SPEC_BUDGETS:-8 16 32 64 128} \
+  --tfm-children-per-node 16 --out "$OUT/spec_step.json"
 has projections && run bench_projection_kernels python3 -m benchmarks.bench_projection_kernels
 has profile && run profile_decode python3 -m benchmarks.profile_decode_step
 (has profile || has profile_verify) && run profile_verify python3 -m benchmarks.profile_decode_step --verify-nodes 65
