@@ -9,18 +9,18 @@ layout is its own.
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from dflash_tfm.config import ModelConfig
 from dflash_tfm.errors import CheckpointError
-from dflash_tfm.loading.loader import check_checkpoint, load_target, open_checkpoint
+from dflash_tfm.loading.loader import load_target
 
 from ..models.tiny_targets import VOCAB, fuse_experts, hf_logits, save_hf_model
+from .checkpoint_edits import check, copy_checkpoint, edit_weights
 
 ARCHS = {"qwen3_5_moe": "model.language_model.", "qwen3_next_moe": "model."}  # arch -> weight prefix
 
@@ -31,23 +31,6 @@ def layouts(request, tmp_path_factory) -> tuple[str, object, Path, Path]:
     root = tmp_path_factory.mktemp("moe")
     hf_model, per_expert = save_hf_model(request.param, root)
     return request.param, hf_model, per_expert, fuse_experts(per_expert, root / "fused")
-
-
-def _copy(src: Path, dst: Path) -> Path:
-    shutil.copytree(src, dst)
-    return dst
-
-
-def _edit_weights(path: Path, edit) -> Path:
-    tensors = load_file(path / "model.safetensors")
-    edit(tensors)
-    save_file(tensors, path / "model.safetensors")
-    return path
-
-
-def _check(path: Path) -> None:
-    source, raw, _ = open_checkpoint(path)
-    check_checkpoint(source, ModelConfig.from_dict(raw))
 
 
 def _load(path: Path) -> torch.nn.Module:
@@ -71,25 +54,25 @@ def test_both_layouts_load_the_same_model(layouts) -> None:
 def test_mis_shaped_per_expert_tensor_names_key_and_both_shapes(layouts, tmp_path: Path) -> None:
     arch, _, per_expert, _ = layouts
     key = f"{ARCHS[arch]}layers.2.mlp.experts.5.up_proj.weight"
-    path = _edit_weights(_copy(per_expert, tmp_path / "m"), lambda t: t.__setitem__(key, torch.zeros(30, 64)))
+    path = edit_weights(copy_checkpoint(per_expert, tmp_path / "m"), lambda t: t.__setitem__(key, torch.zeros(30, 64)))
     with pytest.raises(CheckpointError, match=rf"'{key}': expected shape \[32, 64\], found \[30, 64\]"):
-        _check(path)
+        check(path)
 
 
 def test_mis_shaped_fused_tensor_names_key_and_both_shapes(layouts, tmp_path: Path) -> None:
     arch, _, _, fused = layouts
     key = f"{ARCHS[arch]}layers.0.mlp.experts.down_proj"
-    path = _edit_weights(_copy(fused, tmp_path / "m"), lambda t: t.__setitem__(key, torch.zeros(8, 64, 30)))
+    path = edit_weights(copy_checkpoint(fused, tmp_path / "m"), lambda t: t.__setitem__(key, torch.zeros(8, 64, 30)))
     with pytest.raises(CheckpointError, match=rf"'{key}': expected shape \[8, 64, 32\], found \[8, 64, 30\]"):
-        _check(path)
+        check(path)
 
 
 def test_missing_expert_is_named(layouts, tmp_path: Path) -> None:
     arch, _, per_expert, _ = layouts
     key = f"{ARCHS[arch]}layers.3.mlp.experts.7.down_proj.weight"
-    path = _edit_weights(_copy(per_expert, tmp_path / "m"), lambda t: t.pop(key))
+    path = edit_weights(copy_checkpoint(per_expert, tmp_path / "m"), lambda t: t.pop(key))
     with pytest.raises(CheckpointError, match=rf"missing tensor '{key}' \(expected shape \[64, 32\]\)"):
-        _check(path)
+        check(path)
 
 
 def test_a_layer_mixing_the_layouts_is_refused(layouts, tmp_path: Path) -> None:
@@ -103,21 +86,21 @@ def test_a_layer_mixing_the_layouts_is_refused(layouts, tmp_path: Path) -> None:
             del tensors[f"{layer}{e}.gate_proj.weight"], tensors[f"{layer}{e}.up_proj.weight"]
         tensors[layer + "gate_up_proj"] = gate_up
 
-    path = _edit_weights(_copy(per_expert, tmp_path / "m"), half_fuse)
+    path = edit_weights(copy_checkpoint(per_expert, tmp_path / "m"), half_fuse)
     with pytest.raises(CheckpointError, match=rf"(?s)unexpected tensor '{layer}0\.down_proj\.weight'.*"
                                               rf"missing tensor '{layer}down_proj' \(expected shape \[8, 64, 32\]\)"):
-        _check(path)
+        check(path)
 
 
 def test_expert_count_that_does_not_fit_the_weights(layouts, tmp_path: Path) -> None:
     arch, _, per_expert, _ = layouts
-    path = _copy(per_expert, tmp_path / "m")
+    path = copy_checkpoint(per_expert, tmp_path / "m")
     raw = json.loads((path / "config.json").read_text())
     (raw.get("text_config") or raw)["num_experts"] = 16
     (path / "config.json").write_text(json.dumps(raw))
     router = rf"'{ARCHS[arch]}layers\.0\.mlp\.gate\.weight'"
     with pytest.raises(CheckpointError, match=rf"{router}: expected shape \[16, 64\], found \[8, 64\]"):
-        _check(path)
+        check(path)
 
 
 MOE_TEXT = dict(model_type="qwen3_5_moe_text", hidden_size=64, num_hidden_layers=4, vocab_size=VOCAB,
