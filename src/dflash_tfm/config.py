@@ -1,9 +1,10 @@
 """Target-model configuration parsed from a Hugging Face `config.json` (or the dict a GGUF file yields).
 
 One dataclass describes every supported target: dense attention models (llama, qwen3) and hybrid
-Gated-DeltaNet models (qwen3_5 text or its vision-language wrapper, qwen3_next). The per-architecture
-differences the forward pass needs (norm style, output gate, q/k norm) are plain fields here; weight-name
-quirks live in `loading/weight_map.py`.
+Gated-DeltaNet models (qwen3_5 and its mixture-of-experts sibling qwen3_5_moe, each as a text config or the
+vision-language wrapper; qwen3_next with dense or sparse feed-forward layers). The per-architecture differences
+the forward pass needs (norm style, output gate, q/k norm, which layers are mixtures of experts) are plain fields
+here; weight-name quirks live in `loading/weight_map.py`.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from pathlib import Path
 
 from dflash_tfm.errors import CheckpointError
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen3", "qwen3_5", "qwen3_5_text", "qwen3_next")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen3", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
 FULL_ATTENTION = "full_attention"
 LINEAR_ATTENTION = "linear_attention"
 
@@ -22,11 +23,11 @@ LINEAR_ATTENTION = "linear_attention"
 class ModelConfig:
     """Everything the target model's forward pass and caches need to know."""
 
-    model_type: str  # normalised: "llama" | "qwen3" | "qwen3_5" | "qwen3_next"
+    model_type: str  # normalised: "llama" | "qwen3" | "qwen3_5" | "qwen3_5_moe" | "qwen3_next"
     hidden_size: int
     num_layers: int
     vocab_size: int
-    intermediate_size: int
+    intermediate_size: int  # the dense MLP's width (0 when every layer is a mixture of experts)
     rms_norm_eps: float
     tie_word_embeddings: bool
     max_position_embeddings: int
@@ -47,6 +48,13 @@ class ModelConfig:
     linear_key_head_dim: int = 0
     linear_value_head_dim: int = 0
     linear_conv_kernel_dim: int = 4
+    # mixture-of-experts feed-forward: the layers in `moe_layers` replace the dense SwiGLU by a routed block
+    moe_layers: list[int] = field(default_factory=list)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0  # one routed expert's SwiGLU width
+    shared_expert_intermediate_size: int = 0
+    norm_topk_prob: bool = True  # renormalise the top-k router probabilities to sum to 1
     # checkpoint layout
     weight_prefix: str = "model."  # where decoder weights live ("model.language_model." for the VL wrapper)
     fused_gdn_projections: bool = False  # Qwen3-Next in_proj_qkvz / in_proj_ba
@@ -56,6 +64,14 @@ class ModelConfig:
     @property
     def is_hybrid(self) -> bool:
         return LINEAR_ATTENTION in self.layer_types
+
+    @property
+    def active_ffn_width(self) -> int:
+        """The feed-forward width a token passes through: the dense MLP's when the target has one, else its k routed
+        experts' plus the shared expert's. A dense drafter for this target takes it as its own FFN width."""
+        if self.intermediate_size:
+            return self.intermediate_size
+        return self.num_experts_per_tok * self.moe_intermediate_size + self.shared_expert_intermediate_size
 
     @property
     def rotary_dim(self) -> int:
@@ -78,15 +94,14 @@ class ModelConfig:
         """Parse a HF config dict; raises CheckpointError for unsupported or inconsistent configs."""
         model_type = raw.get("model_type")
         prefix = "model."
-        if model_type == "qwen3_5" or "text_config" in raw:
+        if model_type in ("qwen3_5", "qwen3_5_moe") or "text_config" in raw:
             # Vision-language wrapper: the text model's fields live under text_config.
             text = dict(raw.get("text_config") or raw)
             prefix = "model.language_model." if "text_config" in raw else "model."
-            if text.get("num_experts"):
-                raise CheckpointError("MoE Qwen3.5 checkpoints (qwen3_5_moe) are not supported yet")
-            return cls._hybrid(text, "qwen3_5", prefix, raw)
-        if model_type == "qwen3_5_text":
-            return cls._hybrid(raw, "qwen3_5", prefix, raw)
+            moe = model_type == "qwen3_5_moe" or text.get("model_type") == "qwen3_5_moe_text"
+            return cls._hybrid(text, "qwen3_5_moe" if moe else "qwen3_5", prefix, raw)
+        if model_type in ("qwen3_5_text", "qwen3_5_moe_text"):
+            return cls._hybrid(raw, model_type.removesuffix("_text"), prefix, raw)
         if model_type == "qwen3_next":
             return cls._hybrid(raw, "qwen3_next", prefix, raw)
         if model_type in ("llama", "qwen3"):
@@ -115,7 +130,7 @@ class ModelConfig:
                 hidden_size=hidden,
                 num_layers=int(raw["num_hidden_layers"]),
                 vocab_size=int(raw["vocab_size"]),
-                intermediate_size=int(raw["intermediate_size"]),
+                intermediate_size=int(raw.get("intermediate_size") or 0),
                 rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
                 max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
                 num_heads=heads,
@@ -134,6 +149,7 @@ class ModelConfig:
     @classmethod
     def _dense(cls, raw: dict, model_type: str) -> "ModelConfig":
         fields = cls._common(raw)
+        _require_dense_width(fields, moe_layers=[])
         theta, factor = cls._rope(raw)
         return cls(
             model_type=model_type,
@@ -159,11 +175,8 @@ class ModelConfig:
         unknown = set(layer_types) - {FULL_ATTENTION, LINEAR_ATTENTION}
         if unknown:
             raise CheckpointError(f"unknown layer types {sorted(unknown)}")
-        if model_type == "qwen3_next" and int(text.get("num_experts", 0) or 0) > 0:
-            step = int(text.get("decoder_sparse_step", 1))
-            mlp_only = set(text.get("mlp_only_layers", []))
-            if any(i not in mlp_only and (i + 1) % step == 0 for i in range(n)):
-                raise CheckpointError("Qwen3-Next MoE layers are not supported yet (dense MLP layers only)")
+        moe = _moe_fields(text, model_type, n)
+        _require_dense_width(fields, moe.get("moe_layers", []))
         tie = outer.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
         fields["eos_token_ids"] = _eos_ids(text, outer)
         hk = int(text["linear_num_key_heads"])
@@ -186,8 +199,48 @@ class ModelConfig:
             linear_conv_kernel_dim=int(text.get("linear_conv_kernel_dim", 4)),
             weight_prefix=prefix,
             fused_gdn_projections=model_type == "qwen3_next",
+            **moe,
             **fields,
         )
+
+
+def _moe_fields(text: dict, model_type: str, num_layers: int) -> dict:
+    """The mixture-of-experts fields of a hybrid text config, as transformers builds the layers: Qwen3.5-MoE makes
+    every layer sparse and always renormalises the top-k probabilities (its router reads no `norm_topk_prob`);
+    Qwen3-Next makes layer i sparse when `num_experts` > 0, i is not in `mlp_only_layers` and
+    (i + 1) % `decoder_sparse_step` == 0, and renormalises as `norm_topk_prob` says (default true)."""
+    if model_type == "qwen3_5_moe":
+        sparse, normalise = list(range(num_layers)), True
+    elif model_type == "qwen3_next" and int(text.get("num_experts") or 0) > 0:
+        step = int(text.get("decoder_sparse_step") or 1)
+        dense = set(text.get("mlp_only_layers") or [])
+        sparse = [i for i in range(num_layers) if i not in dense and (i + 1) % step == 0]
+        normalise = bool(text.get("norm_topk_prob", True))
+    else:
+        return {}
+    if not sparse:
+        return {}
+    try:
+        fields = dict(
+            moe_layers=sparse,
+            num_experts=int(text["num_experts"]),
+            num_experts_per_tok=int(text["num_experts_per_tok"]),
+            moe_intermediate_size=int(text["moe_intermediate_size"]),
+            shared_expert_intermediate_size=int(text["shared_expert_intermediate_size"]),
+            norm_topk_prob=normalise,
+        )
+    except KeyError as e:
+        raise CheckpointError(f"mixture-of-experts config is missing required field {e.args[0]!r}") from None
+    if not 0 < fields["num_experts_per_tok"] <= fields["num_experts"]:
+        raise CheckpointError(f"num_experts_per_tok ({fields['num_experts_per_tok']}) must be in "
+                              f"[1, num_experts = {fields['num_experts']}]")
+    return fields
+
+
+def _require_dense_width(fields: dict, moe_layers: list[int]) -> None:
+    """A dense MLP layer needs `intermediate_size`; a target whose every layer is a mixture of experts has none."""
+    if len(moe_layers) < fields["num_layers"] and fields["intermediate_size"] <= 0:
+        raise CheckpointError("config is missing required field 'intermediate_size'")
 
 
 def _eos_ids(*configs: dict) -> list[int]:

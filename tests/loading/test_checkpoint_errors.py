@@ -2,40 +2,23 @@
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from dflash_tfm.config import ModelConfig
 from dflash_tfm.errors import CheckpointError
-from dflash_tfm.loading.loader import check_checkpoint, load_target, open_checkpoint
+from dflash_tfm.loading.loader import load_target, open_checkpoint
 
 from ..models.tiny_targets import save_hf_model
+from .checkpoint_edits import check, copy_checkpoint, edit_weights
 
 
 @pytest.fixture(scope="module")
 def llama_dir(tmp_path_factory) -> Path:
     _, path = save_hf_model("qwen3", tmp_path_factory.mktemp("ckpt"))
     return path
-
-
-def _copy(src: Path, dst: Path) -> Path:
-    shutil.copytree(src, dst)
-    return dst
-
-
-def _edit_weights(path: Path, edit) -> None:
-    tensors = load_file(path / "model.safetensors")
-    edit(tensors)
-    save_file(tensors, path / "model.safetensors")
-
-
-def _check(path: Path) -> None:
-    source, raw, _ = open_checkpoint(path)
-    check_checkpoint(source, ModelConfig.from_dict(raw))
 
 
 def test_missing_path_is_named(tmp_path: Path) -> None:
@@ -49,7 +32,7 @@ def test_directory_without_config(tmp_path: Path) -> None:
 
 
 def test_unknown_architecture_lists_supported(llama_dir: Path, tmp_path: Path) -> None:
-    path = _copy(llama_dir, tmp_path / "m")
+    path = copy_checkpoint(llama_dir, tmp_path / "m")
     cfg = json.loads((path / "config.json").read_text())
     cfg["model_type"] = "gpt2"
     (path / "config.json").write_text(json.dumps(cfg))
@@ -58,52 +41,52 @@ def test_unknown_architecture_lists_supported(llama_dir: Path, tmp_path: Path) -
 
 
 def test_wrong_shape_names_key_and_both_shapes(llama_dir: Path, tmp_path: Path) -> None:
-    path = _copy(llama_dir, tmp_path / "m")
-    _edit_weights(path, lambda t: t.__setitem__("model.layers.1.mlp.down_proj.weight", torch.zeros(64, 90)))
+    path = copy_checkpoint(llama_dir, tmp_path / "m")
+    edit_weights(path, lambda t: t.__setitem__("model.layers.1.mlp.down_proj.weight", torch.zeros(64, 90)))
     with pytest.raises(CheckpointError, match=r"model\.layers\.1\.mlp\.down_proj\.weight.*expected shape \[64, 96\], found \[64, 90\]"):
-        _check(path)
+        check(path)
 
 
 def test_missing_tensor_is_named(llama_dir: Path, tmp_path: Path) -> None:
-    path = _copy(llama_dir, tmp_path / "m")
-    _edit_weights(path, lambda t: t.pop("model.layers.2.self_attn.k_norm.weight"))
+    path = copy_checkpoint(llama_dir, tmp_path / "m")
+    edit_weights(path, lambda t: t.pop("model.layers.2.self_attn.k_norm.weight"))
     with pytest.raises(CheckpointError, match=r"missing tensor 'model\.layers\.2\.self_attn\.k_norm\.weight'"):
-        _check(path)
+        check(path)
 
 
 def test_unexpected_tensor_is_named(llama_dir: Path, tmp_path: Path) -> None:
-    path = _copy(llama_dir, tmp_path / "m")
-    _edit_weights(path, lambda t: t.__setitem__("model.layers.0.extra.weight", torch.zeros(3)))
+    path = copy_checkpoint(llama_dir, tmp_path / "m")
+    edit_weights(path, lambda t: t.__setitem__("model.layers.0.extra.weight", torch.zeros(3)))
     with pytest.raises(CheckpointError, match=r"unexpected tensor 'model\.layers\.0\.extra\.weight'"):
-        _check(path)
+        check(path)
 
 
 def test_config_that_does_not_fit_the_weights(llama_dir: Path, tmp_path: Path) -> None:
-    path = _copy(llama_dir, tmp_path / "m")
+    path = copy_checkpoint(llama_dir, tmp_path / "m")
     cfg = json.loads((path / "config.json").read_text())
     cfg["intermediate_size"] = 128
     (path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(CheckpointError, match=r"gate_proj\.weight.*expected shape \[128, 64\], found \[96, 64\]"):
-        _check(path)
+        check(path)
 
 
 def test_corrupt_safetensors_file(llama_dir: Path, tmp_path: Path) -> None:
-    path = _copy(llama_dir, tmp_path / "m")
+    path = copy_checkpoint(llama_dir, tmp_path / "m")
     (path / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
     with pytest.raises(CheckpointError, match="model.safetensors"):
-        _check(path)
+        check(path)
 
 
 def test_truncated_safetensors_file(llama_dir: Path, tmp_path: Path) -> None:
-    path = _copy(llama_dir, tmp_path / "m")
+    path = copy_checkpoint(llama_dir, tmp_path / "m")
     data = (path / "model.safetensors").read_bytes()
     (path / "model.safetensors").write_bytes(data[: len(data) // 2])
     with pytest.raises(CheckpointError, match="model.safetensors"):
-        _check(path)
+        check(path)
 
 
 def test_index_naming_a_missing_shard(llama_dir: Path, tmp_path: Path) -> None:
-    path = _copy(llama_dir, tmp_path / "m")
+    path = copy_checkpoint(llama_dir, tmp_path / "m")
     names = list(load_file(path / "model.safetensors"))
     index = {"weight_map": {n: ("model-00001-of-00002.safetensors" if i % 2 else "model.safetensors") for i, n in enumerate(names)}}
     (path / "model.safetensors.index.json").write_text(json.dumps(index))
@@ -112,7 +95,7 @@ def test_index_naming_a_missing_shard(llama_dir: Path, tmp_path: Path) -> None:
 
 
 def test_sharded_checkpoint_loads_like_a_single_file(llama_dir: Path, tmp_path: Path) -> None:
-    path = _copy(llama_dir, tmp_path / "m")
+    path = copy_checkpoint(llama_dir, tmp_path / "m")
     tensors = load_file(path / "model.safetensors")
     names = sorted(tensors)
     shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}

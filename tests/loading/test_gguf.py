@@ -301,16 +301,27 @@ def test_directory_is_not_a_checkpoint(tmp_path: Path) -> None:
         open_gguf(tmp_path)
 
 
-def test_unsupported_arch(tmp_path: Path) -> None:
-    path = tmp_path / "mamba.gguf"
-    writer = gguf.GGUFWriter(path, "mamba")
+def _write_bare(path: Path, arch: str) -> Path:
+    """A GGUF file of `arch` holding only an embedding (enough to be opened)."""
+    writer = gguf.GGUFWriter(path, arch)
     writer.add_tensor("token_embd.weight", np.zeros((4, 32), np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    return path
+
+
+def test_unsupported_arch(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match=r"'mamba' is not supported \(supported: llama, qwen2, qwen3\)"):
-        open_gguf(path)
+        open_gguf(_write_bare(tmp_path / "mamba.gguf", "mamba"))
+
+
+@pytest.mark.parametrize("arch", ["qwen35moe", "qwen3next"])
+def test_moe_and_hybrid_gguf_files_point_to_safetensors(tmp_path: Path, arch: str) -> None:
+    """Qwen3.5-MoE and Qwen3-Next run from their safetensors directories; their GGUF files are refused by name."""
+    with pytest.raises(CheckpointError, match=rf"'{arch}' .*not supported in GGUF format.*safetensors directory"):
+        open_gguf(_write_bare(tmp_path / f"{arch}.gguf", arch))
 
 
 def test_unsupported_quant_type(tmp_path: Path) -> None:

@@ -1,8 +1,10 @@
 """Our target models against `transformers` on tiny random configs (fp32, relative error <= 1e-4).
 
-Covers the Qwen3.5 hybrid (bare text config and the vision-language wrapper), Qwen3-Next's fused GDN
-projections, llama (tied embeddings) and qwen3; grouped values (HV = 3 HK), partial rotary factors other
-than 0.25, prompts longer than one GDN chunk, and step-by-step decode.
+Covers the Qwen3.5 hybrid (bare text config and the vision-language wrapper), its mixture-of-experts sibling
+Qwen3.5-MoE (both forms), Qwen3-Next's fused GDN projections with dense layers only and with sparse layers mixed
+with a dense one (`mlp_only_layers`, top-k probabilities not renormalised), llama (tied embeddings) and qwen3;
+grouped values (HV = 3 HK), partial rotary factors other than 0.25, prompts longer than one GDN chunk, and
+step-by-step decode (MoE layers: experts gathered per token at decode, grouped by expert at prefill).
 """
 from __future__ import annotations
 
@@ -13,9 +15,9 @@ from dflash_tfm.config import ModelConfig
 from dflash_tfm.engine.model_runner import ModelRunner
 from dflash_tfm.loading.loader import build_model, load_weights, open_checkpoint
 
-from .tiny_targets import VOCAB, hf_logits, save_hf_model
+from .tiny_targets import MOE_LAYERS, VOCAB, hf_logits, save_hf_model
 
-ARCHS = ["qwen3_5_text", "qwen3_5", "qwen3_next", "llama", "qwen3"]
+ARCHS = ["qwen3_5_text", "qwen3_5", "qwen3_5_moe_text", "qwen3_5_moe", "qwen3_next", "qwen3_next_moe", "llama", "qwen3"]
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -34,11 +36,15 @@ def target(request, tmp_path_factory):
 
 def test_config_is_parsed(target):
     arch, hf_model, _, cfg = target
-    if arch.startswith("qwen3_5") or arch == "qwen3_next":
+    if arch.startswith(("qwen3_5", "qwen3_next")):
         assert cfg.is_hybrid and cfg.linear_num_value_heads == 3 * cfg.linear_num_key_heads
         assert cfg.layer_types[2] == "full_attention"
     else:
         assert not cfg.is_hybrid
+    assert cfg.moe_layers == MOE_LAYERS.get(arch, [])
+    if cfg.moe_layers:
+        assert (cfg.num_experts, cfg.num_experts_per_tok) == (8, 2)
+        assert cfg.norm_topk_prob == (arch != "qwen3_next_moe")
 
 
 def test_prefill_logits_match_transformers(target):

@@ -1,10 +1,11 @@
 """Sampling is lossless: speculative decoding at temperature > 0 emits tokens distributed exactly as the
 target's own sampling (after temperature / top-k / top-p), whatever the drafter proposes.
 
-A tiny target with a 6-token vocabulary makes the exact distribution of the first three generated tokens
-computable (216 outcomes) and random drafts frequently accepted (trees cover most of the vocabulary). A
-chi-square test compares many seeded generations with it; a deliberately biased acceptance rule (taking
-the target's argmax instead of a sample below the root) must fail the same test.
+Tiny targets with a 6-token vocabulary, one dense and one mixture of experts (Qwen3.5-MoE layout: Gated
+DeltaNet and attention layers, 4 experts, top-2, a shared expert), make the exact distribution of the first three
+generated tokens computable (216 outcomes) and random drafts frequently accepted (trees cover most of the
+vocabulary). A chi-square test compares many seeded generations with it; a deliberately biased acceptance rule
+(taking the target's argmax instead of a sample below the root) must fail the same test.
 """
 from __future__ import annotations
 
@@ -30,16 +31,22 @@ from tests.spec.test_speculative_decoding import CyclingBudget
 V = 6
 PROMPT = [1, 4, 2, 5, 3]
 RUNS = 800
-TARGET = dict(model_type="llama", vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-              num_attention_heads=2, num_key_value_heads=1, head_dim=16, rms_norm_eps=1e-6,
-              max_position_embeddings=256, tie_word_embeddings=False, rope_theta=10000.0)
+DENSE = dict(model_type="llama", vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+             num_attention_heads=2, num_key_value_heads=1, head_dim=16, rms_norm_eps=1e-6,
+             max_position_embeddings=256, tie_word_embeddings=False, rope_theta=10000.0)
+MOE = dict({k: v for k, v in DENSE.items() if k not in ("intermediate_size", "rope_theta")},
+           model_type="qwen3_5_moe_text", layer_types=["linear_attention", "full_attention"],
+           linear_num_key_heads=1, linear_num_value_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
+           rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+           num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
+TARGETS = {"dense": DENSE, "moe": MOE}
 
 
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory):
+@pytest.fixture(scope="module", params=sorted(TARGETS))
+def setup(request, tmp_path_factory):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # thousands of tiny steps: thread hand-offs would dominate
-    cfg = ModelConfig.from_dict(TARGET)
+    cfg = ModelConfig.from_dict(TARGETS[request.param])
     model = init_random_(build_model(cfg, torch.device("cpu"), torch.float32, max_positions=256), seed=11)
     root = tmp_path_factory.mktemp("lossless")
     write_random_dflash_checkpoint(root / "dflash", cfg, num_layers=1, block_size=16, target_layer_ids=[0, 1])

@@ -1,4 +1,6 @@
-"""End-to-end speculative decoding on tiny random targets (hybrid GDN and dense):
+"""End-to-end speculative decoding on tiny random targets (hybrid GDN, dense, and a Qwen3.5-MoE hybrid whose every
+feed-forward is 8 experts, top-2, plus a shared expert; its tree verify runs the experts grouped by expert, its
+decode gathers each token's two):
 
 * at temperature 0 every mode (DFLASH, DDTREE, DFLASH_TFM at budgets 8/16/64) reproduces plain greedy
   decoding token for token, with random drafters/Weavers (mostly rejections) and with oracle drafters
@@ -39,6 +41,9 @@ TARGETS = {
                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
     "dense": dict(TINY, model_type="llama", num_hidden_layers=3, rope_theta=10000.0),
 }
+TARGETS["moe"] = dict({k: v for k, v in TARGETS["hybrid"].items() if k != "intermediate_size"},
+                      model_type="qwen3_5_moe_text", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                      shared_expert_intermediate_size=32)
 PROMPT = [5, 17, 42, 8, 77, 3, 61, 29, 11, 50]
 N_TOKENS = 48
 

@@ -28,6 +28,9 @@ _ARCHS: dict[str, tuple[str, str]] = {
     "qwen3": ("qwen3", "Qwen3ForCausalLM"),
 }
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_ARCHS)
+# llama.cpp's names for the mixture-of-experts and Gated DeltaNet families the engine runs from safetensors only:
+# their GGUF tensors (stacked `ffn_*_exps`, `ssm_*`) have no mapping here yet.
+_SAFETENSORS_ONLY = {"qwen2moe", "qwen3moe", "qwen3next", "qwen35", "qwen35moe"}
 
 # llama.cpp's convert_hf_to_gguf.py permutes q/k rows only for the llama family (its RoPE kernel is
 # "normal" mode there, NEOX for qwen); transformers un-permutes only for GGUF arch "llama".
@@ -80,6 +83,11 @@ class GGUFCheckpoint:
         self.path = path
         self._reader = reader
         self.arch: str = self.metadata("general.architecture")
+        if self.arch in _SAFETENSORS_ONLY:
+            raise CheckpointError(
+                f"{path}: GGUF architecture {self.arch!r} (mixture-of-experts or Gated DeltaNet hybrid) is not "
+                "supported in GGUF format; load the model's Hugging Face safetensors directory instead"
+            )
         if self.arch not in _ARCHS:
             raise CheckpointError(
                 f"{path}: GGUF architecture {self.arch!r} is not supported "

@@ -79,8 +79,8 @@ def open_checkpoint(path: str | Path | None) -> tuple[CheckpointSource, dict, Pa
 
 def check_checkpoint(source: CheckpointSource, cfg: ModelConfig) -> None:
     """Raise CheckpointError listing every missing, unexpected or wrongly-shaped tensor."""
-    specs = expected_tensors(cfg)
     names = set(source.tensor_names())
+    specs = expected_tensors(cfg, names)
     problems = []
     for name in sorted(names):
         if IGNORED.search(name) or (cfg.tie_word_embeddings and name == "lm_head.weight"):
@@ -103,13 +103,19 @@ def load_weights(model: CausalLM, source: CheckpointSource, cfg: ModelConfig, pr
     check_checkpoint(source, cfg)
     params = dict(model.named_parameters())
     dtype = model.embed_tokens.dtype
-    specs = expected_tensors(cfg)
+    specs = expected_tensors(cfg, set(source.tensor_names()))
     for name in tqdm(list(specs), desc="loading weights", unit="tensor", disable=not progress, leave=False):
         spec = specs[name]
         with torch.no_grad():
             for param_name, row, piece in spec.assign(source.load_tensor(name, dtype)):
-                target = params[param_name]
+                target, piece = _as_rows(params[param_name]), _as_rows(piece)
                 target[row : row + piece.shape[0]].copy_(piece.to(target.dtype))
+
+
+def _as_rows(t: torch.Tensor) -> torch.Tensor:
+    """A tensor of more than two dims as the matrix of its last-dim rows (a view), which is how pieces address
+    stacked expert weights (`weight_map.Piece`)."""
+    return t.flatten(0, -2) if t.dim() > 2 else t
 
 
 def build_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, max_positions: int) -> CausalLM:

@@ -2,19 +2,24 @@
 
 Format quirks live here, not in the forward pass: q/k/v and gate/up are concatenated into one matrix,
 the four GDN input projections into one `in_proj`, Qwen3-Next's head-grouped `in_proj_qkvz` / `in_proj_ba`
-are regrouped into the Qwen3.5 order, and the conv weight loses its singleton dim.
+are regrouped into the Qwen3.5 order, and the conv weight loses its singleton dim. A mixture-of-experts layer's
+router, shared-expert gate and shared gate / up go into one `in_proj`, and its experts into two stacks, from
+either layout they are stored in: fused (`mlp.experts.gate_up_proj` [E, 2I, H], `mlp.experts.down_proj`
+[E, H, I], as transformers holds them) or one tensor per expert (`mlp.experts.{e}.{gate,up,down}_proj.weight`,
+as transformers saves them and Qwen3-Next was released).
 """
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Collection
 
 import torch
 
 from dflash_tfm.config import FULL_ATTENTION, ModelConfig
 
-# (our parameter name, first row in it, the rows to write there)
+# (our parameter name, first row in it, the rows to write there); a parameter with more than two dims counts
+# rows over all but its last dim ([E, 2I, H]: E · 2I rows of H), as do the rows written.
 Piece = tuple[str, int, torch.Tensor]
 
 # Checkpoint entries that are not part of the text decoder: vision tower, multi-token-prediction head,
@@ -34,8 +39,10 @@ def _to(param: str, row: int = 0) -> Callable[[torch.Tensor], list[Piece]]:
     return lambda t: [(param, row, t)]
 
 
-def expected_tensors(cfg: ModelConfig) -> dict[str, TensorSpec]:
-    """Map of checkpoint tensor name -> spec for every tensor the model needs."""
+def expected_tensors(cfg: ModelConfig, stored: Collection[str] = ()) -> dict[str, TensorSpec]:
+    """Map of checkpoint tensor name -> spec for every tensor the model needs. `stored` (the checkpoint's tensor
+    names) picks each mixture-of-experts layer's expert layout: fused when it holds that layer's fused tensors,
+    else one tensor per expert."""
     H, p = cfg.hidden_size, cfg.weight_prefix
     specs: dict[str, TensorSpec] = {
         f"{p}embed_tokens.weight": TensorSpec((cfg.vocab_size, H), _to("embed_tokens")),
@@ -47,10 +54,13 @@ def expected_tensors(cfg: ModelConfig) -> dict[str, TensorSpec]:
         src, dst = f"{p}layers.{i}.", f"layers.{i}."
         specs[f"{src}input_layernorm.weight"] = TensorSpec((H,), _to(f"{dst}input_norm.weight"))
         specs[f"{src}post_attention_layernorm.weight"] = TensorSpec((H,), _to(f"{dst}post_norm.weight"))
-        I = cfg.intermediate_size
-        specs[f"{src}mlp.gate_proj.weight"] = TensorSpec((I, H), _to(f"{dst}mlp.gate_up", 0))
-        specs[f"{src}mlp.up_proj.weight"] = TensorSpec((I, H), _to(f"{dst}mlp.gate_up", I))
-        specs[f"{src}mlp.down_proj.weight"] = TensorSpec((H, I), _to(f"{dst}mlp.down"))
+        if i in cfg.moe_layers:
+            specs.update(_moe_specs(cfg, src + "mlp.", dst + "mlp.", stored))
+        else:
+            I = cfg.intermediate_size
+            specs[f"{src}mlp.gate_proj.weight"] = TensorSpec((I, H), _to(f"{dst}mlp.gate_up", 0))
+            specs[f"{src}mlp.up_proj.weight"] = TensorSpec((I, H), _to(f"{dst}mlp.gate_up", I))
+            specs[f"{src}mlp.down_proj.weight"] = TensorSpec((H, I), _to(f"{dst}mlp.down"))
         if layer_type == FULL_ATTENTION:
             specs.update(_attention_specs(cfg, src + "self_attn.", dst + "mixer."))
         else:
@@ -71,6 +81,28 @@ def _attention_specs(cfg: ModelConfig, src: str, dst: str) -> dict[str, TensorSp
     if cfg.qk_norm:
         specs[f"{src}q_norm.weight"] = TensorSpec((D,), _to(f"{dst}q_norm.weight"))
         specs[f"{src}k_norm.weight"] = TensorSpec((D,), _to(f"{dst}k_norm.weight"))
+    return specs
+
+
+def _moe_specs(cfg: ModelConfig, src: str, dst: str, stored: Collection[str]) -> dict[str, TensorSpec]:
+    H, E = cfg.hidden_size, cfg.num_experts
+    I, S = cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
+    in_proj, gate_up, down = f"{dst}in_proj", f"{dst}experts_gate_up", f"{dst}experts_down"
+    specs = {  # in_proj rows: router (E), shared-expert gate (1), shared gate (S), shared up (S)
+        f"{src}gate.weight": TensorSpec((E, H), _to(in_proj, 0)),
+        f"{src}shared_expert_gate.weight": TensorSpec((1, H), _to(in_proj, E)),
+        f"{src}shared_expert.gate_proj.weight": TensorSpec((S, H), _to(in_proj, E + 1)),
+        f"{src}shared_expert.up_proj.weight": TensorSpec((S, H), _to(in_proj, E + 1 + S)),
+        f"{src}shared_expert.down_proj.weight": TensorSpec((H, S), _to(f"{dst}shared_down")),
+    }
+    if f"{src}experts.gate_up_proj" in stored or f"{src}experts.down_proj" in stored:
+        specs[f"{src}experts.gate_up_proj"] = TensorSpec((E, 2 * I, H), _to(gate_up))
+        specs[f"{src}experts.down_proj"] = TensorSpec((E, H, I), _to(down))
+        return specs
+    for e in range(E):
+        specs[f"{src}experts.{e}.gate_proj.weight"] = TensorSpec((I, H), _to(gate_up, 2 * I * e))
+        specs[f"{src}experts.{e}.up_proj.weight"] = TensorSpec((I, H), _to(gate_up, 2 * I * e + I))
+        specs[f"{src}experts.{e}.down_proj.weight"] = TensorSpec((H, I), _to(down, H * e))
     return specs
 
 

@@ -1,8 +1,10 @@
-"""The target decoder: embeddings -> N x (norm, mixer, norm, SwiGLU) -> norm -> lm_head.
+"""The target decoder: embeddings -> N x (norm, mixer, norm, feed-forward) -> norm -> lm_head.
 
 One class serves every supported architecture; each layer's mixer is softmax attention or Gated DeltaNet as
-`config.layer_types` says. The model owns no cache: callers pass a `ModelCache` (models/cache.py), which the
-engine allocates once so it can keep static buffers and CUDA graphs.
+`config.layer_types` says, and its feed-forward a SwiGLU or, for the layers in `config.moe_layers`, a sparse
+mixture of experts (per token, so a tree verify runs it on its nodes as on any rows). The model owns no cache:
+callers pass a `ModelCache` (models/cache.py), which the engine allocates once so it can keep static buffers and
+CUDA graphs.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from dflash_tfm.layers.fused_projections import add_norm_linear
 from dflash_tfm.layers.gated_deltanet import GatedDeltaNet, GDNCommitStacks, commit_gdn_layers
 from dflash_tfm.layers.linear import linear
 from dflash_tfm.layers.mlp import SwiGLU, silu_and_mul
+from dflash_tfm.layers.moe import SparseMoE
 from dflash_tfm.layers.norm import RMSNorm
 from dflash_tfm.layers.rotary import RotaryEmbedding
 from dflash_tfm.models.cache import ModelCache
@@ -36,13 +39,27 @@ class VerifyContext:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_type: str) -> None:
+    def __init__(self, cfg: ModelConfig, index: int) -> None:
         super().__init__()
-        self.is_attention = layer_type == FULL_ATTENTION
+        self.is_attention = cfg.layer_types[index] == FULL_ATTENTION
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_plus_one)
         self.mixer: Attention | GatedDeltaNet = Attention(cfg) if self.is_attention else GatedDeltaNet(cfg)
         self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_plus_one)
-        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+        self.mlp: SwiGLU | SparseMoE = (
+            SparseMoE(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size,
+                      cfg.shared_expert_intermediate_size, cfg.norm_topk_prob)
+            if index in cfg.moe_layers else SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+        )
+
+    def feed_forward(self, h: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h + delta, the feed-forward of post_norm(h + delta)). A SwiGLU takes the add + norm fused into its
+        gate_up projection (`add_norm_linear`); a mixture of experts needs the normed rows themselves, which its
+        router, shared expert and experts all read."""
+        if isinstance(self.mlp, SparseMoE):
+            h, x = self.post_norm.add_forward(h, delta)
+            return h, self.mlp(x)
+        h, gate_up = add_norm_linear(h, delta, self.post_norm, self.mlp.gate_up)
+        return h, linear(silu_and_mul(gate_up), self.mlp.down)
 
 
 class CausalLM(nn.Module):
@@ -52,7 +69,7 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.embed_tokens = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size))
-        self.layers = nn.ModuleList(DecoderLayer(cfg, t) for t in cfg.layer_types)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_plus_one)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.rotary_dim, cfg.rope_theta, max_positions)
@@ -89,14 +106,13 @@ class CausalLM(nn.Module):
         tap_layers: tuple[int, ...],
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """The residual stream through every layer. Each residual add is fused into the following norm and the
-        projection after it (`add_norm_linear`: the next mixer's input projection, gate_up, or — the final
-        norm — nothing), so h lags one block output behind; mixers receive their input projections."""
+        projection after it (`add_norm_linear`: the next mixer's input projection, the feed-forward's, or — the
+        final norm — nothing), so h lags one block output behind; mixers receive their input projections."""
         taps: list[torch.Tensor] = []
         first = self.layers[0]
         proj = linear(first.input_norm(h), first.mixer.in_weight)
         for i, layer in enumerate(self.layers):
-            h, gate_up = add_norm_linear(h, mixer(i, layer, proj), layer.post_norm, layer.mlp.gate_up)
-            mlp_out = linear(silu_and_mul(gate_up), layer.mlp.down)
+            h, mlp_out = layer.feed_forward(h, mixer(i, layer, proj))
             if i in tap_layers:
                 taps.append(h + mlp_out)
             if i + 1 < len(self.layers):

@@ -25,6 +25,34 @@ QWEN3_6_27B: dict = {
     "tie_word_embeddings": False,
 }
 
+# Qwen3.5-35B-A3B text model (transformers' `Qwen3_5MoeTextConfig` defaults; Qwen3.6-35B-A3B has the same
+# shapes): 40 layers = 10 x (3 Gated DeltaNet + 1 gated attention), every feed-forward a mixture of 256 experts of
+# width 512, top-8, renormalised, plus a shared expert of width 512; no dense MLP. RoPE theta and context length as
+# released (transformers' defaults are 10000 and 32768), like the 27B above.
+QWEN3_5_35B_A3B: dict = {
+    "model_type": "qwen3_5_moe_text",
+    "hidden_size": 2048,
+    "num_hidden_layers": 40,
+    "full_attention_interval": 4,
+    "vocab_size": 248320,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 2,
+    "head_dim": 256,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25},
+    "linear_num_key_heads": 16,
+    "linear_num_value_heads": 32,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_conv_kernel_dim": 4,
+    "num_experts": 256,
+    "num_experts_per_tok": 8,
+    "moe_intermediate_size": 512,
+    "shared_expert_intermediate_size": 512,
+    "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 262144,
+    "tie_word_embeddings": False,
+}
+
 # z-lab/Qwen3.6-27B-DFlash, its drafter (MODELS.md): 1.73B parameters besides the target's embeddings and lm_head.
 QWEN3_6_27B_DFLASH: dict = {
     "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": 5120, "num_hidden_layers": 5,

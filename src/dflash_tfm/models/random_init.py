@@ -10,7 +10,9 @@ from torch import nn
 @torch.no_grad()
 def init_random_(model: nn.Module, seed: int = 0) -> nn.Module:
     """Fill every parameter in place: matrices ~ N(0, 1/fan_in), norm weights ~ N(0, 0.1) (around the (1+w) or w
-    identity), GDN decay parameters in their trained ranges so the recurrence neither explodes nor vanishes."""
+    identity), GDN decay parameters in their trained ranges so the recurrence neither explodes nor vanishes.
+    Fan-in is the last dim, so stacked expert weights ([E, out, in]) get the per-expert scale of a dense layer, and
+    the router rows of a mixture of experts give logits of about unit scale, spreading tokens over the experts."""
     gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     for name, p in model.named_parameters():
         if name.endswith("A_log"):

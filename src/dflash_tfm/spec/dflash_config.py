@@ -192,7 +192,7 @@ def drafter_config_dict(
     dtype: torch.dtype = torch.bfloat16,
 ) -> dict:
     """The drafter's `config.json` (z-lab layout). Width follows the target (the drafter reads its embeddings
-    and lm_head), as do heads, FFN width and RoPE base; taps default to the reference rule
+    and lm_head), as do heads, FFN width (a mixture-of-experts target's active width) and RoPE base; taps default to the reference rule
     (`default_target_layer_ids`). `is_causal` is written explicitly so inference runs sliding layers exactly
     as they were trained."""
     layer_types = list(layer_types or [FULL_ATTENTION] * num_layers)
@@ -211,7 +211,7 @@ def drafter_config_dict(
         "attention_dropout": 0.0,
         "hidden_act": "silu",
         "hidden_size": target_cfg.hidden_size,
-        "intermediate_size": target_cfg.intermediate_size,
+        "intermediate_size": target_cfg.active_ffn_width,
         "num_hidden_layers": num_layers,
         "num_attention_heads": target_cfg.num_heads,
         "num_key_value_heads": target_cfg.num_kv_heads,
