@@ -74,13 +74,15 @@ def profile_phases(decoder: SpeculativeDecoder, params: SamplingParams, name: st
     returns the tokens those steps produced (the decode goes on from there)."""
     emitted: list[int] = []
 
+    size = max(decoder.proposers)  # a fixed-budget decoder: its one size
+
     def commit() -> None:
-        decoder._commit(params)
+        decoder._commit(params, size)
         emitted.extend(decoder._take_emitted())
     draft_len = lambda: decoder.runner.bucket(decoder.length + decoder.max_depth)  # noqa: E731
     with skinny_projections():
-        print_phase_tables([("draft", lambda: decoder._draft(draft_len())), ("tree", decoder._tree),
-                            ("verify", decoder._verify), ("commit", commit)], name, steps)
+        print_phase_tables([("draft", lambda: decoder._draft(draft_len())), ("tree", lambda: decoder._tree(size)),
+                            ("verify", lambda: decoder._verify(size)), ("commit", commit)], name, steps)
     return emitted
 
 

@@ -42,18 +42,19 @@ def step_scoring(decoder: SpeculativeDecoder, params: SamplingParams, generator:
     if not params.greedy:
         decoder._uniforms.uniform_(generator=generator)
     decoder._draft(decoder.runner.bucket(decoder.length + decoder.max_depth))
-    own, expectations = decoder.proposer, []
+    size = max(decoder.proposers)  # a fixed-budget decoder: its one size
+    own, expectations = decoder.proposers[size], []
     try:
         for proposer in [*proposers, own]:  # own last: its verified tree is the one committed
-            decoder.proposer = proposer
-            decoder._tree()
-            decoder._verify()
-            tokens, parents, _ = decoder._tree_nodes
+            decoder.proposers[size] = proposer
+            decoder._tree(size)
+            decoder._verify(size)
+            tokens, parents, _, tree = decoder._trees[size]
             expectations.append(float(expected_accepted(
-                decoder._verified[3], tokens, parents, decoder._tree_spec.ancestor_mask()[0], params)))
+                decoder._verified[size][3], tokens, parents, tree.ancestor_mask()[0], params)))
     finally:
-        decoder.proposer = own
-    decoder._commit(params)
+        decoder.proposers[size] = own
+    decoder._commit(params, size)
     return decoder._take_emitted(), expectations[-1:] + expectations[:-1]
 
 

@@ -35,8 +35,9 @@ def test_the_tuning_steps_run_every_algorithm(tmp_path, monkeypatch) -> None:
     steps, step = [], tune.SpeculativeDecoder.step
 
     def counted(self, params, generator):
-        steps.append(self.proposer.num_nodes)
-        return step(self, params, generator)
+        out = step(self, params, generator)
+        steps.append(self.last_step_drafts + 1)  # nodes verified
+        return out
 
     monkeypatch.setattr(tune.SpeculativeDecoder, "step", counted)
     tune.exercise(tune.Target(runner, cfg, drafter, tmp_path / "weaver.pth"), [20], 16, context=40, steps=2)

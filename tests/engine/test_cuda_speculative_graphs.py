@@ -15,7 +15,7 @@ from dflash_tfm.sampling_params import SamplingParams
 from dflash_tfm.spec.fixtures import write_random_dflash_checkpoint
 from dflash_tfm.spec.weaver_fixtures import write_random_weaver_checkpoint
 from tests import spec_config
-from tests.spec.test_speculative_decoding import PROMPT, TARGETS
+from tests.spec.test_speculative_decoding import PROMPT, TARGETS, CyclingBudget
 
 pytestmark = pytest.mark.gpu
 
@@ -54,9 +54,29 @@ def test_graph_step_equals_eager_and_greedy(target, algo: str, budget: int) -> N
     graphed = run(decoders[True], greedy)
     assert graphed == run(decoders[False], greedy)  # same kernels, replayed: bit-identical
     assert graphed[:32] == reference[:32]  # (later tokens may flip on near-ties: tree vs decode kernels round differently)
-    assert ("tree",) in decoders[True].graphs and ("draft", 512) in decoders[True].graphs
+    size = max(decoders[True].proposers)
+    assert ("tree", size) in decoders[True].graphs and ("draft", 512) in decoders[True].graphs
     sampled = SamplingParams(temperature=1.0, top_p=0.9)
     assert run(decoders[True], sampled, seed=7) == run(decoders[False], sampled, seed=7)
+
+
+@pytest.mark.parametrize("algo", ["DFLASH", "DDTREE", "DFLASH_TFM"])
+def test_adaptive_graph_steps_equal_eager_while_sizes_change(target, algo: str) -> None:
+    """tree_budget "auto" as CUDA-graph replays: sizes cycled every step (0, a plain decode step, included), greedy
+    then sampled; the sampled steps meet commit graphs not yet captured for their size right after other sizes'
+    graphs ran, and each size's commit must read its own size's tree and verify outputs. Equal to the same
+    decoder run eagerly, token for token."""
+    cfg, model, root = target
+    decoders = {}
+    for graphs in (True, False):
+        runner = ModelRunner(model, max_len=512, device=torch.device("cuda"), use_cuda_graph=graphs)
+        decoders[graphs] = build_decoder(runner, cfg, spec_config(algo, root, "auto"))
+    for params, seed in ((SamplingParams(temperature=0.0), None), (SamplingParams(temperature=1.0, top_p=0.9), 7)):
+        outputs = []
+        for decoder in decoders.values():
+            decoder.budget = CyclingBudget(sorted(decoder.budget.step_seconds))
+            outputs.append(run(decoder, params, seed))
+        assert outputs[0] == outputs[1]
 
 
 def test_batched_generation_graph_decode_equals_eager(target) -> None:

@@ -40,7 +40,7 @@ class BudgetController:
         self._predicted: dict[int, float] = {}
         self._last_size: int | None = None
         self._steps_since_draft = 0
-        self._probe_interval = probe_every
+        self._probe_interval = self.probe_every
         self.chosen: Counter[int] = Counter()
 
     def calibration(self, size: int) -> float:

@@ -49,9 +49,17 @@ def build_decoder(runner: ModelRunner, cfg: ModelConfig,
     if not spec.adaptive:
         return SpeculativeDecoder(runner, drafter, build_proposer(spec, runner, cfg, block), spec.gdn_verify_kernel)
     decoder = SpeculativeDecoder(runner, drafter, build_proposers(spec, runner, cfg, block), spec.gdn_verify_kernel)
-    prompt = torch.randint(0, cfg.vocab_size, (CALIBRATION_PROMPT_TOKENS,), generator=torch.Generator().manual_seed(0))
-    cpu = runner.device.type == "cpu"
-    decoder.measure_step_times(prompt.tolist(), warmup=1, steps=2 if cpu else 10)
+    # Every measured step must be a real one (within a tree's depth of the cache end a step is a plain decode):
+    # room for the prompt, each step's block and the final probe's draft; a small cache measures fewer steps.
+    warmup = 1
+    steps = min(2 if runner.device.type == "cpu" else 10, (runner.max_len - 1) // block - 2 - warmup)
+    if steps < 1:
+        raise ValueError(f"tree_budget 'auto' measures each proposal size over a few steps of {block} tokens, which "
+                         f"needs max_model_len >= {4 * block + 1}; got {runner.max_len}: raise max_model_len or give "
+                         "a fixed tree budget")
+    prompt_tokens = min(CALIBRATION_PROMPT_TOKENS, runner.max_len - (warmup + steps + 2) * block)
+    prompt = torch.randint(0, cfg.vocab_size, (prompt_tokens,), generator=torch.Generator().manual_seed(0))
+    decoder.measure_step_times(prompt.tolist(), warmup=warmup, steps=steps)
     return decoder
 
 

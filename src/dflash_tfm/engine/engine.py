@@ -63,6 +63,8 @@ class Engine:
         self.device = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' requested but CUDA is not available")
+        if self.device.type == "cuda" and self.device.index is not None:
+            torch.cuda.set_device(self.device)  # events, streams and graph captures act on the current device
         if dtype == "auto":
             dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
         self.dtype = parse_dtype(dtype)

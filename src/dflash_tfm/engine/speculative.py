@@ -39,6 +39,7 @@ from dflash_tfm.spec.acceptance_estimate import expected_accepted_by_size
 from dflash_tfm.spec.accept import accept_tree, target_draws
 from dflash_tfm.tree import TreeSpec
 
+CONTEXT_HOLD_TOKENS = 2048  # context features held for the drafter at most (one prefill chunk's worth)
 TreeBuilder = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
@@ -66,7 +67,6 @@ class SpeculativeDecoder:
         it keeps the GPU busy across the read; on the CPU every op is synchronous anyway)."""
         adaptive = isinstance(proposer, dict)
         self.proposers = proposer if adaptive else {proposer.num_nodes - 1: proposer}
-        self.proposer = self.proposers[max(self.proposers)]
         self.runner, self.drafter = runner, drafter
         self.budget: BudgetController | None = None
         self._forced_size: int | None = None
@@ -98,12 +98,14 @@ class SpeculativeDecoder:
         self._estimate_copied = torch.cuda.Event() if cuda else None
         self._predicted = 0.0  # E(b) of the size the current step took
         self._pending_context: list[tuple[torch.Tensor, int]] = []  # (features [1, T, K*H], start) not yet cached
-        # Outputs passed from phase to phase (under CUDA graphs: the tensors the captured graphs write).
+        self._pending_tokens = 0
+        # Outputs passed from phase to phase (under CUDA graphs: the tensors the captured graphs write). Tree and
+        # verify outputs are kept per size: a replayed graph runs no Python, so a size's commit must read the
+        # tensors its own size's graphs write, whichever size ran last.
         self._draft_logits: torch.Tensor | None = None
         self._draft_hidden: torch.Tensor | None = None
-        self._tree_nodes: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-        self._tree_spec: TreeSpec | None = None
-        self._verified: tuple | None = None
+        self._trees: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor, TreeSpec]] = {}
+        self._verified: dict[int, tuple] = {}
 
     def phase_seconds(self) -> dict[str, float]:
         return self.timer.collect()
@@ -115,9 +117,10 @@ class SpeculativeDecoder:
         self.drafter.reset()
         self._drafted = False
         self._pending_context.clear()
+        self._pending_tokens = 0
         logits, hidden = self.runner.prefill(
             torch.tensor(prompt_ids, dtype=torch.long), tap_layers=self.tap_layers,
-            on_taps=lambda taps, start: self._pending_context.append((torch.cat(taps, dim=-1), start)),
+            on_taps=lambda taps, start: self._defer_context(torch.cat(taps, dim=-1), start),
         )
         self.length = len(prompt_ids)
         self._length.fill_(self.length)
@@ -153,13 +156,12 @@ class SpeculativeDecoder:
             self._uniforms.uniform_(generator=generator)
         sampling = "greedy" if params.greedy else (params.temperature, params.top_k, params.top_p)
         t = self.timer
-        self.proposer = self.proposers[size]
         with t.phase("tree"):
-            self.graphs.run(("tree", size), self._tree)
+            self.graphs.run(("tree", size), lambda: self._tree(size))
         with t.phase("verify"):
-            self.graphs.run(("verify", size), self._verify)
+            self.graphs.run(("verify", size), lambda: self._verify(size))
         with t.phase("commit"):
-            self.graphs.run(("commit", sampling, size), lambda: self._commit(params), advances_state=True)
+            self.graphs.run(("commit", sampling, size), lambda: self._commit(params, size), advances_state=True)
             self._stage_emitted()
         # The next step's draft, for a committed length of at most L + block: enqueued before the read.
         self._drafted = (self.draft_ahead and L + self.block + self.max_depth + 1 <= self.runner.max_len
@@ -174,7 +176,7 @@ class SpeculativeDecoder:
             logits, hidden, taps = self.runner.decode_with_taps(self._root, L, self.tap_layers)
             token = sample(logits, params, generator).view(1)
         with self.timer.phase("commit"):
-            self._pending_context.append((torch.cat(taps, dim=-1), L))  # a copy: the graph's taps are reused
+            self._defer_context(torch.cat(taps, dim=-1), L)  # a copy: the graph's taps are reused
             self._h_last.copy_(hidden)
             self._root.copy_(token)
             self._length.add_(1)
@@ -232,21 +234,24 @@ class SpeculativeDecoder:
 
     def _run_at_size(self, size: int, prompt_ids: list[int], params: SamplingParams, warmup: int, steps: int,
                      generator: torch.Generator | None = None) -> float:
-        """Seconds per step of `steps` steps forced to `size` after `warmup` steps, on a fresh request."""
+        """The fastest of `steps` steps forced to `size` (seconds) after `warmup` steps, on a fresh request: the
+        minimum, since other work on the machine only ever adds time."""
         cuda = self.runner.device.type == "cuda"
         self._forced_size = size
         try:
             self.prefill(prompt_ids, params, generator)
             for _ in range(warmup):
                 self.step(params, generator)
-            if cuda:
-                torch.cuda.synchronize()
-            start = time.perf_counter()
+            fastest = float("inf")
             for _ in range(steps):
+                if cuda:
+                    torch.cuda.synchronize()
+                start = time.perf_counter()
                 self.step(params, generator)
-            if cuda:
-                torch.cuda.synchronize()
-            return (time.perf_counter() - start) / max(steps, 1)
+                if cuda:
+                    torch.cuda.synchronize()
+                fastest = min(fastest, time.perf_counter() - start)
+            return fastest
         finally:
             self._forced_size = None
             self.timer.collect()
@@ -263,17 +268,29 @@ class SpeculativeDecoder:
             if self._estimate_copied is not None:
                 self._estimate_copied.record()
 
+    def _defer_context(self, feats: torch.Tensor, start: int) -> None:
+        """Hold context features [1, T, K*H] of positions start.. until a draft needs them; beyond
+        `CONTEXT_HOLD_TOKENS` held (a long prompt) they are appended at once, so holding never costs more memory
+        than a prefill chunk's features."""
+        self._pending_context.append((feats, start))
+        self._pending_tokens += feats.shape[1]
+        if self._pending_tokens >= CONTEXT_HOLD_TOKENS:
+            self._flush_context()
+
     def _flush_context(self) -> None:
         """Append the held context features to the drafter's cache, contiguous spans as one call."""
-        spans: list[tuple[list[torch.Tensor], int]] = []
+        spans: list[tuple[list[torch.Tensor], int, int]] = []  # (parts, start, end)
         for feats, start in self._pending_context:
-            if spans and spans[-1][1] + sum(f.shape[1] for f in spans[-1][0]) == start:
-                spans[-1][0].append(feats)
+            if spans and spans[-1][2] == start:
+                parts, first, _ = spans[-1]
+                parts.append(feats)
+                spans[-1] = (parts, first, start + feats.shape[1])
             else:
-                spans.append(([feats], start))
-        for parts, start in spans:
+                spans.append(([feats], start, start + feats.shape[1]))
+        for parts, start, _ in spans:
             self.drafter.append_context(torch.cat(parts, dim=1), start)
         self._pending_context.clear()
+        self._pending_tokens = 0
 
     def _stage_emitted(self) -> None:
         """Start copying the last commit's tokens to the host (pinned memory on CUDA), without waiting."""
@@ -303,23 +320,25 @@ class SpeculativeDecoder:
         if len(self._sizes) > 1:
             self._estimate.copy_(expected_accepted_by_size(logits[0], self._estimate_sizes))
 
-    def _tree(self) -> None:
-        tokens, parents, depths = self.proposer.build(self._root, self._draft_logits, self._draft_hidden, self._h_last)
-        self._tree_nodes = (tokens, parents, depths)
-        self._tree_spec = TreeSpec.build(tokens.view(1, -1), parents.view(1, -1), cache_len=self._length)
+    def _tree(self, size: int) -> None:
+        build = self.proposers[size].build
+        tokens, parents, depths = build(self._root, self._draft_logits, self._draft_hidden, self._h_last)
+        tree = TreeSpec.build(tokens.view(1, -1), parents.view(1, -1), cache_len=self._length)
+        self._trees[size] = (tokens, parents, depths, tree)
 
-    def _verify(self) -> None:
-        hidden, taps, saved = self.model.verify(self._tree_spec, self.runner.cache, self._length, self.tap_layers,
+    def _verify(self, size: int) -> None:
+        tree = self._trees[size][3]
+        hidden, taps, saved = self.model.verify(tree, self.runner.cache, self._length, self.tap_layers,
                                                 self.gdn_kernel)
-        self._verified = (hidden[0], taps, saved, self.model.logits(hidden[0]))
+        self._verified[size] = (hidden[0], taps, saved, self.model.logits(hidden[0]))
 
-    def _commit(self, params: SamplingParams) -> None:
+    def _commit(self, params: SamplingParams, size: int) -> None:
         """Accept along the target's draws, commit the path to the target and drafter caches, advance
         L / root / h_last, and write the emitted tokens (accepted drafts then the bonus, -1 padded). Any draft
         made before is of the old state now (`step` enqueues the next one after this)."""
         self._drafted = False
-        tokens, parents, depths = self._tree_nodes
-        tree, (hidden, taps, saved, logits) = self._tree_spec, self._verified
+        tokens, parents, depths, tree = self._trees[size]
+        hidden, taps, saved, logits = self._verified[size]
         draws = target_draws(logits, params, self._uniforms)
         acc = accept_tree(tokens, parents, depths, tree.ancestor_mask()[0], draws, self.max_depth)
         self.model.commit(self.runner.cache, self._length, tree, saved, acc.accepted.view(1, -1), acc.path.view(1, -1))

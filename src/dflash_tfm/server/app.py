@@ -353,7 +353,7 @@ class Handlers:
     async def health_generate(self, request: Request) -> Response:
         """Healthy only if a 1-token generation goes through the queue and the engine."""
         params = SamplingParams(max_new_tokens=1)
-        job, watcher = self.admit(request, self.engine.encode_prompt("ping"), params, time.perf_counter())
+        job, watcher = self.admit(request, await self.prompts.text("ping", "text"), params, time.perf_counter())
         await self.collect(job, watcher)
         return JSONResponse({"status": "ok"})
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from dflash_tfm.engine.args import add_engine_args
 from dflash_tfm.loading.default_model import DEFAULT_BUNDLE
-from dflash_tfm.server.guard import LOOPBACK_HOSTS
+from dflash_tfm.server.guard import LOOPBACK_HOSTS, host_name
 from dflash_tfm.speculative_config import (SpeculativeConfig, SpeculativeConfigError, speculative_config_from_args,
                                            unused_speculative_flags)
 
@@ -155,12 +155,14 @@ def server_args_from_namespace(ns: argparse.Namespace, environ: dict[str, str] |
     if not 0 <= ns.port <= 65535:
         raise ServerArgsError(f"--port must be in [0, 65535], got {ns.port}")
     api_key = ns.api_key if ns.api_key is not None else environ.get(API_KEY_ENV) or None
-    if api_key is not None and not api_key.strip():
-        raise ServerArgsError("--api-key must not be empty")
+    if api_key is not None:  # surrounding whitespace (a stray newline in an env file) is not part of the key
+        api_key = api_key.strip()
+        if not api_key:
+            raise ServerArgsError("--api-key must not be empty")
     if ns.allowed_hosts is not None:
-        allowed = None if "*" in ns.allowed_hosts else frozenset(h.strip("[]").lower() for h in ns.allowed_hosts)
-    else:
-        allowed = LOOPBACK_HOSTS if is_loopback(ns.host) else None
+        allowed = None if "*" in ns.allowed_hosts else frozenset(host_name(h) for h in ns.allowed_hosts)
+    else:  # bound to loopback: its own address and the loopback names
+        allowed = LOOPBACK_HOSTS | {host_name(ns.host)} if is_loopback(ns.host) else None
 
     not_applicable = {
         _flag(dest) if getattr(ns, dest) is True else f"{_flag(dest)}={getattr(ns, dest)}": why

@@ -34,12 +34,14 @@ Message = dict[str, Any]
 ASGIApp = Callable[[dict, Callable[[], Awaitable[Message]], Callable[[Message], Awaitable[None]]], Awaitable[None]]
 LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
 OPEN_PATHS = frozenset({"/health"})  # answered without the API key
+BODY_DEADLINE_FACTOR = 10  # a body trickling in a byte per chunk deadline still ends
 
 
 @dataclass(frozen=True)
 class GuardSettings:
     """api_key None: no authentication. allowed_hosts None: any Host header. json_routes: paths whose POST
-    body must be JSON of at most max_request_bytes, each chunk arriving within read_timeout seconds."""
+    body must be JSON of at most max_request_bytes, each chunk arriving within read_timeout seconds and the
+    whole body within BODY_DEADLINE_FACTOR times that."""
 
     api_key: str | None = None
     allowed_hosts: frozenset[str] | None = LOOPBACK_HOSTS
@@ -63,11 +65,15 @@ def _digest(text: str) -> bytes:
 class RequestGuard:
     def __init__(self, app: ASGIApp, settings: GuardSettings) -> None:
         self.app, self.settings = app, settings
-        self._key_digest = None if settings.api_key is None else _digest(settings.api_key)
+        self._key_digest = None if settings.api_key is None else _digest(settings.api_key.strip())
 
     async def __call__(self, scope: dict, receive: Callable[[], Awaitable[Message]],
                        send: Callable[[Message], Awaitable[None]]) -> None:
-        if scope["type"] != "http":
+        if scope["type"] == "websocket":  # no route speaks WebSocket: refuse before anything reads the request
+            await receive()
+            await send({"type": "websocket.close", "code": 1008})
+            return
+        if scope["type"] != "http":  # lifespan
             await self.app(scope, receive, send)
             return
         request_id = uuid.uuid4().hex[:16]
@@ -127,12 +133,16 @@ class RequestGuard:
                         send: Callable[[Message], Awaitable[None]], request_id: str) -> bytes | None:
         """The whole body, or None after answering 413 (too large), 408 (a chunk late) or 499 (client gone)."""
         chunks, size = [], 0
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + BODY_DEADLINE_FACTOR * self.settings.read_timeout
         while True:
+            wait = min(self.settings.read_timeout, deadline - loop.time())
             try:
-                message = await asyncio.wait_for(receive(), self.settings.read_timeout)
-            except TimeoutError:
-                await error_response(408, f"request body not received within {self.settings.read_timeout:g} s "
-                                          "(--timeout-read)")(scope, receive, send)
+                message = await asyncio.wait_for(receive(), max(wait, 0.0))
+            except (TimeoutError, asyncio.TimeoutError):  # distinct classes before Python 3.11
+                await error_response(408, "request body not received in time (--timeout-read: "
+                                          f"{self.settings.read_timeout:g} s per chunk, {BODY_DEADLINE_FACTOR} times "
+                                          "that in all)")(scope, receive, send)
                 return None
             if message["type"] == "http.disconnect":
                 logger.info("request %s: client disconnected while sending its body (%d bytes received)",
