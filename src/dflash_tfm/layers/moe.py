@@ -3,8 +3,9 @@ experts, each a SwiGLU, whose outputs are mixed by the router probabilities (ren
 config says so), and a shared expert scaled by a sigmoid gate is added for every token.
 
 The block is per token, so prefill, a decode step and a tree verify (every node one row) all go through the same
-`forward`. The routed experts are the pure-PyTorch definition in `kernels/moe/reference.py`, the twin the GPU
-kernels (grouped GEMMs) will be checked against.
+`forward`. The routed experts run as grouped GEMMs over expert-sorted row blocks on CUDA (capture-safe, each
+active expert's weights read once; `kernels/moe/grouped_experts.py`) and as their PyTorch twin elsewhere
+(`kernels/moe/reference.py`).
 
 Rounding follows transformers: router logits in the activations' dtype, softmax and renormalisation in fp32, the
 mixing weights cast back, expert outputs weighted and summed per token in the activations' dtype.
@@ -14,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dflash_tfm.kernels.moe.reference import routed_experts_reference
+from dflash_tfm.kernels.moe.grouped_experts import routed_experts
 from dflash_tfm.layers.linear import linear
 from dflash_tfm.layers.mlp import silu_and_mul
 
@@ -46,7 +47,7 @@ class SparseMoE(nn.Module):
         router_logits, shared_gate, shared_gate_up = linear(rows, self.in_proj).split(
             [self.num_experts, 1, 2 * shared_width], dim=-1)
         weights, experts = route(router_logits, self.top_k, self.normalise_top_k)
-        routed = routed_experts_reference(rows, weights.to(x.dtype), experts, self.experts_gate_up, self.experts_down)
+        routed = routed_experts(rows, weights.to(x.dtype), experts, self.experts_gate_up, self.experts_down)
         shared = torch.sigmoid(shared_gate) * linear(silu_and_mul(shared_gate_up), self.shared_down)
         return (routed + shared).view(x.shape)
 
