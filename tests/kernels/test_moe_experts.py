@@ -75,6 +75,7 @@ BLOCK_CASES = {  # name: (experts [T, k], E, block_m, chunk)
     "decode_T1_k8": (random_experts(1, 8, 10, seed=1), 10, 16, 16),
     "T3_k2_unused_experts": (random_experts(3, 2, 12, seed=2, used=5), 12, 16, 16),
     "T40_k2_several_programs": (random_experts(40, 2, 8, seed=3), 8, 16, 16),
+    "T40_k2_E40_blocks_over_programs": (random_experts(40, 2, 40, seed=5), 40, 16, 16),  # 42 blocks, 16 a program
     "T64_k1_skewed_block32": (skewed_experts(64, 1), 5, 32, 32),
     "T20_k4_E300": (random_experts(20, 4, 300, seed=4), 300, 16, 64),
 }
