@@ -2,9 +2,9 @@
 # Everything that needs the GPU, in one call on the device machine (H200): GPU tests at real sizes, then
 # the benchmarks. Logs and JSON land in $OUT (default ./out); a short table is printed last.
 #   device run:  bash scripts/gpu_check.sh            (carry: .whl with the fla-core and gguf wheels)
-# Set GPU_CHECK_PARTS to a subset of "tests kernels tree ar verify draft spec projections profile
-# profile_verify train" to run only those parts, GPU_TESTS to test paths, VERIFY_NS to the verify step's tree
-# sizes, SPEC_BUDGETS to the speculative step's tree sizes. All parts take longer than one 10-minute device call: e.g. "tests" in one call, "ar verify spec
+# Set GPU_CHECK_PARTS to a subset of "tests kernels tree moe ar verify draft spec projections profile
+# profile_verify train" to run only those parts, MOE_SWEEP=1 to have the moe part also time its tile settings,
+# GPU_TESTS to test paths, VERIFY_NS to the verify step's tree sizes, SPEC_BUDGETS to the speculative step's tree sizes. All parts take longer than one 10-minute device call: e.g. "tests" in one call, "ar verify spec
 # profile" in the next.
 # The tuned kernel choices (dflash_tfm/tuning.py) are timed at first use and kept in $OUT/cache/tuning, so they
 # come back with the logs; carry that folder in (DFLASH_TFM_CACHE) to reuse an earlier call's choices.
@@ -12,7 +12,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}; mkdir -p "$OUT"
 export DFLASH_TFM_CACHE=${DFLASH_TFM_CACHE:-$OUT/cache}
-PARTS=" ${GPU_CHECK_PARTS:-tests kernels tree ar verify draft spec projections profile train} "
+PARTS=" ${GPU_CHECK_PARTS:-tests kernels tree moe ar verify draft spec projections profile train} "
 export PYTHONUNBUFFERED=1
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -37,6 +37,7 @@ has tests && run gpu_tests python3 -m pytest -q -m gpu -p no:cacheprovider ${GPU
 has kernels && run bench_gdn_decode python3 -m benchmarks.bench_gdn_decode
 has kernels && run bench_gdn_fused_decode python3 -m benchmarks.bench_gdn_fused_decode
 has tree && run bench_tree_kernels python3 -m benchmarks.bench_tree_kernels
+has moe && run bench_moe_experts python3 -m benchmarks.bench_moe_experts ${MOE_SWEEP:+--sweep} --out "$OUT/moe_experts.json"
 has ar && run bench_ar_decode python3 -m benchmarks.bench_ar_decode --out "$OUT/ar_decode.json"
 has verify && run bench_verify_step python3 -m benchmarks.bench_verify_step --ns ${VERIFY_NS:-1 16 65 129} \
   --out "$OUT/verify_step.json"

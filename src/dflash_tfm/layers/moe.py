@@ -3,16 +3,9 @@ experts, each a SwiGLU, whose outputs are mixed by the router probabilities (ren
 config says so), and a shared expert scaled by a sigmoid gate is added for every token.
 
 The block is per token, so prefill, a decode step and a tree verify (every node one row) all go through the same
-`forward`. This is the pure-PyTorch definition the GPU kernels (grouped GEMMs) will be checked against. The
-routed experts run in one of two ways with the same result:
-
-* `gathered_expert_outputs`: every (token, slot) assignment gathers its expert's weights and multiplies by them
-  in batched matmuls. Static shapes and no host read, so it can be captured in a CUDA graph; when the
-  assignments are at most the experts it also reads no more weight than there are experts to read (a decode
-  step: k of E).
-* `grouped_expert_outputs`: the assignments sorted by expert, so each active expert's weights are read once for
-  all of its tokens. It needs one host read (the tokens per expert), so it runs only outside a capture, for many
-  tokens (prefill chunks, eager tree verify).
+`forward`. The routed experts run as grouped GEMMs over expert-sorted row blocks on CUDA (capture-safe, each
+active expert's weights read once; `kernels/moe/grouped_experts.py`) and as their PyTorch twin elsewhere
+(`kernels/moe/reference.py`).
 
 Rounding follows transformers: router logits in the activations' dtype, softmax and renormalisation in fp32, the
 mixing weights cast back, expert outputs weighted and summed per token in the activations' dtype.
@@ -22,6 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from dflash_tfm.kernels.moe.grouped_experts import routed_experts
 from dflash_tfm.layers.linear import linear
 from dflash_tfm.layers.mlp import silu_and_mul
 
@@ -53,7 +47,7 @@ class SparseMoE(nn.Module):
         router_logits, shared_gate, shared_gate_up = linear(rows, self.in_proj).split(
             [self.num_experts, 1, 2 * shared_width], dim=-1)
         weights, experts = route(router_logits, self.top_k, self.normalise_top_k)
-        routed = mix(expert_outputs(rows, experts, self.experts_gate_up, self.experts_down), weights.to(x.dtype))
+        routed = routed_experts(rows, weights.to(x.dtype), experts, self.experts_gate_up, self.experts_down)
         shared = torch.sigmoid(shared_gate) * linear(silu_and_mul(shared_gate_up), self.shared_down)
         return (routed + shared).view(x.shape)
 
@@ -67,45 +61,3 @@ def route(router_logits: torch.Tensor, top_k: int, normalise: bool) -> tuple[tor
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, experts
 
-
-def mix(outputs: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """Per-assignment expert outputs [T · k, H] (token-major) and weights [T, k] -> their weighted sum per token
-    [T, H]."""
-    tokens, k = weights.shape
-    return (outputs.view(tokens, k, -1) * weights.unsqueeze(-1)).sum(dim=1)
-
-
-def expert_outputs(x: torch.Tensor, experts: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    """Each (token, slot) assignment's expert SwiGLU output [T · k, H], token-major; picks the gathered or grouped
-    way (module docstring): gathered while a CUDA graph is being captured or when the assignments are no more than
-    the experts, grouped otherwise."""
-    capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
-    if capturing or experts.numel() <= gate_up.shape[0]:
-        return gathered_expert_outputs(x, experts, gate_up, down)
-    return grouped_expert_outputs(x, experts, gate_up, down)
-
-
-def gathered_expert_outputs(x: torch.Tensor, experts: torch.Tensor, gate_up: torch.Tensor,
-                            down: torch.Tensor) -> torch.Tensor:
-    """x [T, H], experts [T, k] -> [T · k, H]: each assignment multiplies its token by its own gathered copy of the
-    expert's weights (batched matrix-vector products)."""
-    ids = experts.flatten()
-    tokens = x.repeat_interleave(experts.shape[1], dim=0).unsqueeze(-1)  # [T·k, H, 1]
-    hidden = silu_and_mul(torch.bmm(gate_up[ids], tokens).squeeze(-1))
-    return torch.bmm(down[ids], hidden.unsqueeze(-1)).squeeze(-1)
-
-
-def grouped_expert_outputs(x: torch.Tensor, experts: torch.Tensor, gate_up: torch.Tensor,
-                           down: torch.Tensor) -> torch.Tensor:
-    """x [T, H], experts [T, k] -> [T · k, H]: the assignments sorted by expert (stable, so tokens keep their order
-    inside an expert), each active expert's rows multiplied by its weights in one GEMM pair, and the results put
-    back in token-major order."""
-    ids = experts.flatten()
-    order = ids.argsort(stable=True)
-    grouped_rows = x.index_select(0, order // experts.shape[1])
-    per_expert = torch.bincount(ids, minlength=gate_up.shape[0]).tolist()  # the one host read
-    outputs = [linear(silu_and_mul(linear(rows, gate_up[e])), down[e])
-               for e, rows in enumerate(grouped_rows.split(per_expert)) if rows.shape[0]]
-    token_major = torch.empty(ids.shape[0], x.shape[-1], dtype=x.dtype, device=x.device)
-    token_major[order] = torch.cat(outputs)
-    return token_major
