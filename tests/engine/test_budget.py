@@ -10,9 +10,9 @@ TIMES = {0: 1.0, 8: 1.5, 32: 3.0}
 
 
 def test_choice_maximises_expected_tokens_per_second() -> None:
-    c = BudgetController(SIZES, TIMES)
-    assert c.choose([0.0, 0.2, 0.3]) == 0  # (1 + 0.2) / 1.5 < 1 / 1
-    assert c.choose([0.0, 2.0, 2.5]) == 8  # 3 / 1.5 = 2 > 3.5 / 3
+    c = BudgetController(SIZES, TIMES, draft_seconds=0.25)
+    assert c.choose([0.0, 2.0, 2.5]) == 8  # 3 / 1.5 = 2 > 3.5 / 3 and > 1 / (1 + 0.25)
+    assert c.choose([0.0, 0.1, 0.2]) == 0  # (1 + 0.1) / 1.5 < 1 / (1 + 0.25): decode, then draft again
     assert c.choose([0.0, 2.0, 6.0]) == 32  # 7 / 3 > 2
     assert c.chosen == {0: 1, 8: 1, 32: 1}
 
@@ -29,23 +29,44 @@ def test_calibration_scales_the_estimate_of_the_size_taken_and_its_neighbours() 
     assert c.choose([0.0, 1.0, 1.2]) == 8  # (1 + 2.33) / 1.5 > 1, and > (1 + 2.8) / 3
 
 
-def test_decode_steps_probe_with_a_draft_ever_less_often_until_speculation_pays() -> None:
-    c = BudgetController(SIZES, TIMES, probe_every=4)
-    assert c.wants_draft()
+def test_a_hard_token_takes_size_0_but_drafting_goes_on() -> None:
+    """Speculation pays on average (gain > 1), so one draft with a poor estimate decodes plainly this step and
+    the next step drafts again: without a draft there would be no estimate to resume from."""
+    c = BudgetController(SIZES, TIMES)
+    for _ in range(5):
+        assert c.wants_draft() and c.choose([0.0, 3.0, 5.0]) == 8
     assert c.choose([0.0, 0.0, 0.0]) == 0
+    assert c.gain > 1 and c.wants_draft()
+    assert c.choose([0.0, 3.0, 5.0]) == 8
+
+
+def test_when_speculation_stops_paying_steps_decode_and_probe_ever_less_often() -> None:
+    c = BudgetController(SIZES, TIMES, probe_every=4)
     drafts = []
-    for _ in range(16):
+    for _ in range(40):
         drafts.append(c.wants_draft())
-        c.choose([0.0, 0.0, 0.0] if drafts[-1] else None)
+        c.choose([0.0, 0.1, 0.1] if drafts[-1] else None)
+    assert c.gain < 1 and not c.speculating
     probes = [i for i, d in enumerate(drafts) if d]
-    assert probes == [3, 11]  # after 4 steps, then (that probe chose 0 again) after 8
-    c.choose([0.0, 5.0, 5.0])  # the next probe finds speculation paying...
-    for _ in range(3):
-        drafts.append(c.wants_draft())
-        c.choose([0.0, 5.0, 5.0] if drafts[-1] else None)
-    assert drafts[-3:] == [True, True, True] and c.chosen[8] == 4
-    assert c.choose([0.0, 0.0, 0.0]) == 0  # ...and a step back at 0 probes at the base interval again
-    assert [c.wants_draft() or c.choose(None) for _ in range(3)] == [0, 0, 0] and c.wants_draft()
+    assert probes[0] == 0 and probes[1:] == [4, 12, 28]  # after 4 steps, then 8, then 16
+    assert c.chosen[0] == 40
+    c.start_request()  # a new request probes at the shortest interval again
+    assert [c.wants_draft() or c.choose(None) for _ in range(4)] == [0, 0, 0, True]
+
+
+def test_probes_that_find_speculation_paying_resume_drafting() -> None:
+    c = BudgetController(SIZES, TIMES, probe_every=2)
+    for _ in range(10):
+        c.choose([0.0, 0.0, 0.0] if c.wants_draft() else None)
+    assert not c.speculating
+    sizes = []
+    for _ in range(60):
+        sizes.append(c.choose([0.0, 5.0, 5.0] if c.wants_draft() else None))
+        if c.speculating:
+            break
+    assert c.speculating and sizes[-1] == 8  # a paying probe speculates at once, though the gain lags
+    assert sizes.count(8) <= 10  # a few probes raise the gain above 1
+    assert all(c.wants_draft() and c.choose([0.0, 5.0, 5.0]) == 8 for _ in range(3))
 
 
 def test_sizes_need_zero_and_times() -> None:

@@ -187,13 +187,17 @@ class CyclingBudget(BudgetController):
     """Takes every candidate size in turn (drafting each step), so one request crosses every size change."""
 
     def __init__(self, sizes) -> None:
-        super().__init__(sizes, {b: 1.0 for b in sizes}, probe_every=1)
+        super().__init__(sizes, {b: 1.0 for b in sizes})
         self.turn = 0
 
-    def tokens_per_second(self, estimate):
-        target = self.sizes[self.turn % len(self.sizes)]
+    def wants_draft(self) -> bool:
+        return True
+
+    def choose(self, estimate) -> int:
+        size = self.sizes[self.turn % len(self.sizes)]
         self.turn += 1
-        return {b: float(b == target) for b in self.sizes}
+        self.chosen[size] += 1
+        return size
 
 
 @pytest.mark.parametrize("algo", ["DFLASH", "DDTREE", "DFLASH_TFM"])

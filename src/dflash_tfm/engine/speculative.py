@@ -115,6 +115,8 @@ class SpeculativeDecoder:
         """Target prefill that also feeds the drafter its context features; returns the first token."""
         self.runner.reset()
         self.drafter.reset()
+        if self.budget is not None:
+            self.budget.start_request()
         self._drafted = False
         self._pending_context.clear()
         self._pending_tokens = 0
@@ -222,7 +224,7 @@ class SpeculativeDecoder:
         times = {size: self._run_at_size(size, prompt_ids, SamplingParams(), warmup, steps) for size in self._sizes}
         self._timed_draft(self.length)  # what one probe costs: a draft, timed alone
         draft = self.timer.collect().get("draft", 0.0)
-        self.budget = BudgetController(self._sizes, times, probe_seconds=draft)
+        self.budget = BudgetController(self._sizes, times, draft_seconds=draft)
         return times
 
     @torch.inference_mode()
