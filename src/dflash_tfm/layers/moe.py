@@ -22,7 +22,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dflash_tfm.layers.linear import linear
+from dflash_tfm.layers.fp8_weight import dense_weight
+from dflash_tfm.layers.linear import linear, projection_weight
 from dflash_tfm.layers.mlp import silu_and_mul
 
 
@@ -41,10 +42,10 @@ class SparseMoE(nn.Module):
     ) -> None:
         super().__init__()
         self.num_experts, self.top_k, self.normalise_top_k = num_experts, top_k, normalise_top_k
-        self.in_proj = nn.Parameter(torch.empty(num_experts + 1 + 2 * shared_width, hidden_size))
-        self.shared_down = nn.Parameter(torch.empty(hidden_size, shared_width))
-        self.experts_gate_up = nn.Parameter(torch.empty(num_experts, 2 * expert_width, hidden_size))
-        self.experts_down = nn.Parameter(torch.empty(num_experts, hidden_size, expert_width))
+        self.in_proj = projection_weight(num_experts + 1 + 2 * shared_width, hidden_size)
+        self.shared_down = projection_weight(hidden_size, shared_width)
+        self.experts_gate_up = projection_weight(num_experts, 2 * expert_width, hidden_size)
+        self.experts_down = projection_weight(num_experts, hidden_size, expert_width)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., H] (normed) -> [..., H]."""
@@ -88,11 +89,11 @@ def expert_outputs(x: torch.Tensor, experts: torch.Tensor, gate_up: torch.Tensor
 def gathered_expert_outputs(x: torch.Tensor, experts: torch.Tensor, gate_up: torch.Tensor,
                             down: torch.Tensor) -> torch.Tensor:
     """x [T, H], experts [T, k] -> [T · k, H]: each assignment multiplies its token by its own gathered copy of the
-    expert's weights (batched matrix-vector products)."""
+    expert's weights (batched matrix-vector products; FP8 experts are dequantised once gathered)."""
     ids = experts.flatten()
     tokens = x.repeat_interleave(experts.shape[1], dim=0).unsqueeze(-1)  # [T·k, H, 1]
-    hidden = silu_and_mul(torch.bmm(gate_up[ids], tokens).squeeze(-1))
-    return torch.bmm(down[ids], hidden.unsqueeze(-1)).squeeze(-1)
+    hidden = silu_and_mul(torch.bmm(dense_weight(gate_up[ids], x.dtype), tokens).squeeze(-1))
+    return torch.bmm(dense_weight(down[ids], x.dtype), hidden.unsqueeze(-1)).squeeze(-1)
 
 
 def grouped_expert_outputs(x: torch.Tensor, experts: torch.Tensor, gate_up: torch.Tensor,
