@@ -1,4 +1,5 @@
-"""Autoregressive decode step of a Qwen3.6-27B-shaped target with random BF16 weights (GPU script).
+"""Autoregressive decode step of a Qwen3.6-27B-shaped target with random BF16 weights (GPU script); with
+`--quantization fp8` its projections are held in FP8 (benchmarks/fp8_targets.py) and the floor counts FP8 bytes.
 
 Measures, with CUDA events after warm-up (median of many steps):
   * the device-to-device copy bandwidth (bytes read + written), hence the bandwidth floor of one decode step
@@ -17,12 +18,13 @@ import time
 
 import torch
 
+from benchmarks.fp8_targets import random_target
 from benchmarks.timing import report_choices, time_ms
 from dflash_tfm.config import ModelConfig
 from dflash_tfm.engine.model_runner import ModelRunner
-from dflash_tfm.loading.loader import build_model
+from dflash_tfm.layers.fp8_weight import Fp8Weight
+from dflash_tfm.layers.linear import linear
 from dflash_tfm.models.presets import QWEN3_6_27B
-from dflash_tfm.models.random_init import init_random_
 
 
 def copy_bandwidth(gib: float = 4.0, iters: int = 20) -> float:
@@ -41,21 +43,24 @@ def gemv_only_ms(model, iters: int) -> float:
     the part of the step that is pure weight streaming through cuBLAS."""
     weights = [p for n, p in model.named_parameters() if p.dim() == 2 and not n.endswith("conv_weight")
                and not (n == "embed_tokens" and model.lm_head is not None)]
-    inputs = [torch.randn(1, w.shape[1], dtype=w.dtype, device=w.device) for w in weights]
+    weights += [m for m in model.modules() if isinstance(m, Fp8Weight)]  # --quantization fp8: the FP8 kernel
+    inputs = [torch.randn(1, w.shape[1], dtype=model.embed_tokens.dtype, device=model.embed_tokens.device)
+              for w in weights]
     graph = torch.cuda.CUDAGraph()
     for _ in range(2):
         for x, w in zip(inputs, weights):
-            torch.nn.functional.linear(x, w)
+            linear(x, w)
     torch.cuda.synchronize()
     with torch.cuda.graph(graph):
-        outs = [torch.nn.functional.linear(x, w) for x, w in zip(inputs, weights)]
+        outs = [linear(x, w) for x, w in zip(inputs, weights)]
     del outs
     return time_ms(graph.replay, iters)
 
 
-def bench_ours(cfg: ModelConfig, contexts: list[int], iters: int) -> tuple[dict, int]:
-    model = init_random_(build_model(cfg, torch.device("cuda"), torch.bfloat16, max_positions=max(contexts) + 1024))
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+def bench_ours(cfg: ModelConfig, contexts: list[int], iters: int, quantization: str | None) -> tuple[dict, int]:
+    model = random_target(cfg, torch.device("cuda"), torch.bfloat16, max(contexts) + 1024, quantization)
+    weight_bytes = sum(t.numel() * t.element_size() for t in model.parameters()) + sum(
+        t.numel() * t.element_size() for m in model.modules() if isinstance(m, Fp8Weight) for t in m.buffers())
     gemv_ms = gemv_only_ms(model, iters)
     print(f"GEMV-only step: {gemv_ms:.2f} ms ({weight_bytes / gemv_ms / 1e9:.2f} TB/s of weights)", flush=True)
     default_blas = torch.backends.cuda.preferred_blas_library()
@@ -125,14 +130,16 @@ def main() -> None:
     ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096])
     ap.add_argument("--iters", type=int, default=100)
     ap.add_argument("--hf", action="store_true", help="also time transformers' implementation (slow)")
+    ap.add_argument("--quantization", default=None, choices=["fp8"], help="hold the projections in FP8")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     cfg = ModelConfig.from_dict(QWEN3_6_27B)
     bw = copy_bandwidth()
-    ours, weight_bytes = bench_ours(cfg, args.contexts, args.iters)
+    ours, weight_bytes = bench_ours(cfg, args.contexts, args.iters, args.quantization)
     floor_ms = weight_bytes / bw * 1e3
     report = {
         "gpu": torch.cuda.get_device_name(),
+        "quantization": args.quantization,
         "copy_bandwidth_TBps": bw / 1e12,
         "weight_GB": weight_bytes / 1e9,
         "floor_ms": floor_ms,

@@ -14,13 +14,12 @@ import json
 
 import torch
 
+from benchmarks.fp8_targets import random_target
 from benchmarks.timing import capture, report_choices, time_ms
 from dflash_tfm.config import ModelConfig
 from dflash_tfm.engine.model_runner import ModelRunner
 from dflash_tfm.layers.linear import skinny_projections
-from dflash_tfm.loading.loader import build_model
 from dflash_tfm.models.presets import QWEN3_6_27B
-from dflash_tfm.models.random_init import init_random_
 from dflash_tfm.tree import TreeSpec, random_parents
 
 
@@ -82,13 +81,15 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--kernel", default="chunk", choices=["chunk", "recurrent"])
     ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--quantization", default=None, choices=["fp8"], help="hold the projections in FP8")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     cfg = ModelConfig.from_dict(QWEN3_6_27B)
     device = torch.device("cuda")
-    model = init_random_(build_model(cfg, device, torch.bfloat16, max_positions=args.context + 1024))
+    model = random_target(cfg, device, torch.bfloat16, args.context + 1024, args.quantization)
     L = args.context
-    results = {"context": L, "kernel": args.kernel} | time_steps(model, cfg, args, device)
+    results = {"context": L, "kernel": args.kernel, "quantization": args.quantization} | time_steps(
+        model, cfg, args, device)
     print(f"\n| N | verify ms | / AR step | commit ms |  (AR step {results['ar_step_ms']:.2f} ms, context {L}, GDN "
           f"kernel {args.kernel})")
     print("|---|---|---|---|")

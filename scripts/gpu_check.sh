@@ -3,8 +3,9 @@
 # the benchmarks. Logs and JSON land in $OUT (default ./out); a short table is printed last.
 #   device run:  bash scripts/gpu_check.sh            (carry: .whl with the fla-core and gguf wheels)
 # Set GPU_CHECK_PARTS to a subset of "tests kernels tree moe ar verify draft spec projections profile
-# profile_verify train" to run only those parts, MOE_SWEEP=1 to have the moe part also time its tile settings,
-# GPU_TESTS to test paths, VERIFY_NS to the verify step's tree sizes, SPEC_BUDGETS to the speculative step's tree sizes. All parts take longer than one 10-minute device call: e.g. "tests" in one call, "ar verify spec
+# profile_verify train fp8" to run only those parts, MOE_SWEEP=1 to have the moe part also time its tile settings,
+# GPU_TESTS to test paths, VERIFY_NS to the verify step's tree sizes, SPEC_BUDGETS to the speculative step's tree
+# sizes. All parts take longer than one 10-minute device call: e.g. "tests" in one call, "ar verify spec
 # profile" in the next.
 # The tuned kernel choices (dflash_tfm/tuning.py) are timed at first use and kept in $OUT/cache/tuning, so they
 # come back with the logs; carry that folder in (DFLASH_TFM_CACHE) to reuse an earlier call's choices.
@@ -51,6 +52,13 @@ has spec && run bench_spec_step python3 -m benchmarks.bench_spec_step --budgets 
 has projections && run bench_projection_kernels python3 -m benchmarks.bench_projection_kernels
 has profile && run profile_decode python3 -m benchmarks.profile_decode_step
 (has profile || has profile_verify) && run profile_verify python3 -m benchmarks.profile_decode_step --verify-nodes 65
+# FP8 targets: the FP8 kernel tests at 27B shapes, the kernel against BF16 cuBLAS, AR step and verify in FP8.
+has fp8 && run fp8_tests python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_fp8_matmul.py \
+  tests/loading/test_fp8_checkpoints.py
+has fp8 && run bench_fp8_linear python3 -m benchmarks.bench_fp8_linear --out "$OUT/fp8_linear.json"
+has fp8 && run bench_ar_decode_fp8 python3 -m benchmarks.bench_ar_decode --quantization fp8 --out "$OUT/ar_decode_fp8.json"
+has fp8 && run bench_verify_step_fp8 python3 -m benchmarks.bench_verify_step --ns 1 16 65 --quantization fp8 \
+  --out "$OUT/verify_step_fp8.json"
 has train && run bench_training_step python3 -m benchmarks.bench_training_step --profile --out "$OUT/training_step.json"
 echo; cat "$OUT/summary.txt"
 exit $status

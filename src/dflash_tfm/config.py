@@ -13,10 +13,25 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dflash_tfm.errors import CheckpointError
+from dflash_tfm.rope_parameters import RopeParameters
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen3", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
 FULL_ATTENTION = "full_attention"
 LINEAR_ATTENTION = "linear_attention"
+
+# transformers 5's config-class defaults for the optional fields read here (None: derived as transformers derives
+# it, head_dim = hidden / heads and num_key_value_heads = heads). Qwen3's head_dim and KV heads are fixed numbers
+# in its class, and the hybrids rotate a quarter of the head dim unless the config says otherwise.
+CLASS_DEFAULTS = {
+    "llama": dict(head_dim=None, num_key_value_heads=None, max_position_embeddings=2048, partial_rotary_factor=1.0),
+    "qwen3": dict(head_dim=128, num_key_value_heads=32, max_position_embeddings=32768, partial_rotary_factor=1.0),
+    "qwen3_5": dict(head_dim=256, num_key_value_heads=4, max_position_embeddings=32768, partial_rotary_factor=0.25),
+    "qwen3_5_moe": dict(head_dim=256, num_key_value_heads=2, max_position_embeddings=32768,
+                        partial_rotary_factor=0.25),
+    "qwen3_next": dict(head_dim=256, num_key_value_heads=2, max_position_embeddings=32768, partial_rotary_factor=0.25),
+}
+GDN_DEFAULTS = dict(linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+                    linear_value_head_dim=128, linear_conv_kernel_dim=4)
 
 
 @dataclass
@@ -35,8 +50,7 @@ class ModelConfig:
     num_heads: int
     num_kv_heads: int
     head_dim: int
-    rope_theta: float
-    partial_rotary_factor: float = 1.0
+    rope: RopeParameters
     attn_output_gate: bool = False  # q_proj emits [query | gate] per head (Qwen3.5 / Qwen3-Next)
     qk_norm: bool = False
     attention_bias: bool = False
@@ -72,6 +86,14 @@ class ModelConfig:
         if self.intermediate_size:
             return self.intermediate_size
         return self.num_experts_per_tok * self.moe_intermediate_size + self.shared_expert_intermediate_size
+
+    @property
+    def rope_theta(self) -> float:
+        return self.rope.theta
+
+    @property
+    def partial_rotary_factor(self) -> float:
+        return self.rope.partial_rotary_factor
 
     @property
     def rotary_dim(self) -> int:
@@ -111,32 +133,27 @@ class ModelConfig:
         )
 
     @staticmethod
-    def _rope(raw: dict) -> tuple[float, float]:
-        params = raw.get("rope_parameters") or {}
-        scaling = raw.get("rope_scaling") or {}
-        rope_type = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
-        if rope_type not in ("default", "mrope"):
-            raise CheckpointError(f"unsupported rope_type {rope_type!r}; supported: default (and mrope for text)")
-        theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
-        factor = params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
-        return float(theta), float(factor)
-
-    @staticmethod
-    def _common(raw: dict) -> dict:
+    def _common(raw: dict, model_type: str) -> dict:
+        """The fields every architecture reads; optional ones take transformers' default for `model_type`."""
+        defaults = CLASS_DEFAULTS[model_type]
         try:
             hidden = int(raw["hidden_size"])
             heads = int(raw["num_attention_heads"])
+            kv_heads = raw["num_key_value_heads"] if "num_key_value_heads" in raw else defaults["num_key_value_heads"]
+            head_dim = raw["head_dim"] if "head_dim" in raw else defaults["head_dim"]
+            max_positions = int(raw.get("max_position_embeddings") or defaults["max_position_embeddings"])
             fields = dict(
                 hidden_size=hidden,
                 num_layers=int(raw["num_hidden_layers"]),
                 vocab_size=int(raw["vocab_size"]),
                 intermediate_size=int(raw.get("intermediate_size") or 0),
                 rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-                max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
+                max_position_embeddings=max_positions,
                 num_heads=heads,
-                num_kv_heads=int(raw.get("num_key_value_heads") or heads),
-                head_dim=int(raw.get("head_dim") or hidden // heads),
+                num_kv_heads=int(kv_heads or heads),
+                head_dim=int(head_dim or hidden // heads),
                 attention_bias=bool(raw.get("attention_bias", False)),
+                rope=RopeParameters.from_config(raw, max_positions, defaults["partial_rotary_factor"]),
             )
         except KeyError as e:
             raise CheckpointError(f"config is missing required field {e.args[0]!r}") from None
@@ -148,14 +165,11 @@ class ModelConfig:
 
     @classmethod
     def _dense(cls, raw: dict, model_type: str) -> "ModelConfig":
-        fields = cls._common(raw)
+        fields = cls._common(raw, model_type)
         _require_dense_width(fields, moe_layers=[])
-        theta, factor = cls._rope(raw)
         return cls(
             model_type=model_type,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            rope_theta=theta,
-            partial_rotary_factor=factor,
             qk_norm=model_type == "qwen3",
             layer_types=[FULL_ATTENTION] * fields["num_layers"],
             **fields,
@@ -163,8 +177,7 @@ class ModelConfig:
 
     @classmethod
     def _hybrid(cls, text: dict, model_type: str, prefix: str, outer: dict) -> "ModelConfig":
-        fields = cls._common(text)
-        theta, factor = cls._rope(text)
+        fields = cls._common(text, model_type)
         n = fields["num_layers"]
         layer_types = text.get("layer_types")
         if not layer_types:
@@ -179,26 +192,20 @@ class ModelConfig:
         _require_dense_width(fields, moe.get("moe_layers", []))
         tie = outer.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
         fields["eos_token_ids"] = _eos_ids(text, outer)
-        hk = int(text["linear_num_key_heads"])
-        hv = int(text["linear_num_value_heads"])
+        gdn = {k: int(text.get(k, GDN_DEFAULTS[k])) for k in GDN_DEFAULTS}
+        hk, hv = gdn["linear_num_key_heads"], gdn["linear_num_value_heads"]
         if hv % hk:
             raise CheckpointError(f"linear_num_value_heads ({hv}) must be a multiple of linear_num_key_heads ({hk})")
         return cls(
             model_type=model_type,
             tie_word_embeddings=bool(tie),
-            rope_theta=theta,
-            partial_rotary_factor=factor,
             attn_output_gate=bool(text.get("attn_output_gate", True)),
             qk_norm=True,
             norm_plus_one=True,
             layer_types=list(layer_types),
-            linear_num_key_heads=hk,
-            linear_num_value_heads=hv,
-            linear_key_head_dim=int(text["linear_key_head_dim"]),
-            linear_value_head_dim=int(text["linear_value_head_dim"]),
-            linear_conv_kernel_dim=int(text.get("linear_conv_kernel_dim", 4)),
             weight_prefix=prefix,
             fused_gdn_projections=model_type == "qwen3_next",
+            **gdn,
             **moe,
             **fields,
         )

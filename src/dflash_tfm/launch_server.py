@@ -28,6 +28,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         engine = Engine(args.model_path, args.speculative, device=args.device, dtype=args.dtype,
+                        quantization=args.quantization,
                         max_model_len=args.max_model_len, use_cuda_graph=not args.disable_cuda_graph)
     except (FileNotFoundError, CheckpointError, ValueError, NotImplementedError) as e:
         print(f"launch_server: error: {e}", file=sys.stderr)

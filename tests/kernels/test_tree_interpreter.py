@@ -13,7 +13,8 @@ import torch
 from dflash_tfm.kernels import TRITON_INTERPRETED
 
 MODULES = ("test_tree_gdn.py", "test_tree_conv.py", "test_gdn_tree_inputs.py", "test_tree_attention.py", "test_skinny_matmul.py", "test_fused_gemv.py", "test_add_rms_norm.py",
-           "test_tree_growth.py", "test_weaver_step.py", "test_linear_cross_entropy.py", "test_moe_experts.py")
+           "test_tree_growth.py", "test_weaver_step.py", "test_linear_cross_entropy.py", "test_moe_experts.py",
+           "test_fp8_matmul.py")
 
 
 @pytest.mark.skipif(torch.cuda.is_available() or TRITON_INTERPRETED, reason="Triton tests run in this process")

@@ -70,8 +70,13 @@ def build_hf_model(arch: str):
         model = tf.Qwen3ForCausalLM(tf.Qwen3Config(**BASE, **ATTN, num_hidden_layers=3, tie_word_embeddings=False))
     else:
         raise ValueError(arch)
+    return perturb(model)
+
+
+def perturb(model):
+    """`model` with its weights moved away from HF's init (norms off 0 / 1, matrices ~ N(0, 0.08)), fp32, eval."""
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for _, p in model.named_parameters():
             if p.dim() == 1:
                 p.add_(torch.randn_like(p) * 0.1)
             else:

@@ -82,31 +82,35 @@ def rope(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
 
 
 def block_mask(L: int, B: int, window: int | None, causal: bool) -> torch.Tensor:
-    """[B, L+B] bool: block query a (position L+a) sees key position p."""
+    """[B, L+B] bool: block query a (position L+a) sees key position p (keys within the window, if any; inside
+    the block only earlier positions when causal)."""
     m = torch.ones(B, L + B, dtype=torch.bool)
     for a in range(B):
         for p in range(L + B):
             q = L + a
-            if window is not None:
-                m[a, p] = q - p < window and (p <= q if causal else p - q < window)
+            inside = window is None or q - p < window
+            m[a, p] = inside and (p <= q if causal else (window is None or p - q < window))
     return m
 
 
 def reference_draft(sd: dict, cfg: DFlashConfig, embed: torch.Tensor, lm_head: torch.Tensor, feats: torch.Tensor,
-                    root: int, L: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """feats [L, K*H] for context positions 0..L-1; returns logits [B-1, V], hidden [B-1, H]."""
+                    root: int, L: int, rotate=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """feats [L, K*H] for context positions 0..L-1; returns logits [B-1, V], hidden [B-1, H]. `rotate(x, pos)`
+    applies RoPE (default: plain RoPE with the config's base); the embeddings and logits are scaled and capped as
+    the config's optional fields say (z-lab `_raw_input_embeddings`, `compute_logits`)."""
     B, D, eps = cfg.block_size, cfg.head_dim, cfg.rms_norm_eps
     nh, nkv = cfg.num_heads, cfg.num_kv_heads
+    rotate = rotate or (lambda x, pos: rope(x, pos, cfg.rope_theta))
     ctx = rms(feats @ sd["fc.weight"].T, sd["hidden_norm.weight"], eps)
-    h = embed[torch.tensor([root] + [cfg.mask_token_id] * (B - 1))]
+    h = embed[torch.tensor([root] + [cfg.mask_token_id] * (B - 1))] * cfg.input_embedding_scale
     qpos, kpos = torch.arange(L, L + B), torch.arange(L + B)
     for i, layer_type in enumerate(cfg.layer_types):
         w = {k[len(f"layers.{i}."):]: v for k, v in sd.items() if k.startswith(f"layers.{i}.")}
         x = rms(h, w["input_layernorm.weight"], eps)
-        q = rope(rms((x @ w["self_attn.q_proj.weight"].T).view(B, nh, D), w["self_attn.q_norm.weight"], eps), qpos, cfg.rope_theta)
+        q = rotate(rms((x @ w["self_attn.q_proj.weight"].T).view(B, nh, D), w["self_attn.q_norm.weight"], eps), qpos)
         src = torch.cat([ctx, x])  # ctx is NOT input-normed; every layer projects the same ctx
         k = rms((src @ w["self_attn.k_proj.weight"].T).view(L + B, nkv, D), w["self_attn.k_norm.weight"], eps)
-        k = rope(k, kpos, cfg.rope_theta).repeat_interleave(nh // nkv, dim=1)
+        k = rotate(k, kpos).repeat_interleave(nh // nkv, dim=1)
         v = (src @ w["self_attn.v_proj.weight"].T).view(L + B, nkv, D).repeat_interleave(nh // nkv, dim=1)
         sliding = layer_type == SW
         mask = block_mask(L, B, cfg.sliding_window if sliding else None, sliding and cfg.causal_sliding_in_block)
@@ -116,7 +120,10 @@ def reference_draft(sd: dict, cfg: DFlashConfig, embed: torch.Tensor, lm_head: t
         x = rms(h, w["post_attention_layernorm.weight"], eps)
         h = h + (F.silu(x @ w["mlp.gate_proj.weight"].T) * (x @ w["mlp.up_proj.weight"].T)) @ w["mlp.down_proj.weight"].T
     out = rms(h, sd["norm.weight"], eps)[1:]
-    return out @ lm_head.T, out
+    logits = (out @ lm_head.T) * cfg.output_multiplier
+    if cfg.final_logit_softcapping:
+        logits = torch.tanh(logits / cfg.final_logit_softcapping) * cfg.final_logit_softcapping
+    return logits, out
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -218,8 +225,8 @@ def test_config_published_layout_and_default_taps():
     raw = {
         "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": 5120, "num_hidden_layers": 5,
         "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 17408,
-        "rope_theta": 1e7, "layer_types": [SW, SW, SW, SW, FULL], "sliding_window": 2048, "num_target_layers": 64,
-        "block_size": 16, "dflash_config": {"mask_token_id": 248070},
+        "rope_theta": 1e7, "layer_types": [SW, SW, SW, SW, FULL], "sliding_window": 2048, "use_sliding_window": True,
+        "num_target_layers": 64, "block_size": 16, "dflash_config": {"mask_token_id": 248070},
     }
     cfg = DFlashConfig.from_dict(raw)
     assert cfg.target_layer_ids == [1, 16, 31, 46, 61] and cfg.block_size == 16 and cfg.sliding_window == 2048
@@ -299,7 +306,8 @@ def test_bad_checkpoints(llama_target, tmp_path):
 
     corrupt = copy("layers")
     raw = json.loads((corrupt / "config.json").read_text())
-    (corrupt / "config.json").write_text(json.dumps(dict(raw, layer_types=[SW, FULL], sliding_window=None)))
+    (corrupt / "config.json").write_text(json.dumps(dict(raw, layer_types=[SW, FULL], sliding_window=None,
+                                                         use_sliding_window=True)))
     _expect_error(corrupt, llama_target, "sliding_window")
 
 

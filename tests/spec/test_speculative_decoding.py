@@ -10,6 +10,7 @@ decode gathers each token's two):
 """
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -102,6 +103,26 @@ def test_published_tree_width_reproduces_greedy(target) -> None:
     cfg, model, root = target
     decoder = build_decoder(runner_for(model), cfg, spec_config("DFLASH_TFM", root, 64, children_per_node=8))
     assert decode(decoder)[0] == greedy_reference(model)
+
+
+def test_shallower_weaver_reproduces_greedy(target, tmp_path) -> None:
+    """A Weaver trained for K = 7 behind a block-16 drafter grows trees min(block − 1, K) = 7 deep, as the
+    published system does; still lossless."""
+    cfg, model, root = target
+    (tmp_path / "dflash").symlink_to(root / "dflash")
+    write_random_weaver_checkpoint(tmp_path / "weaver.pth", cfg, variant=1, K=7)
+    decoder = build_decoder(runner_for(model), cfg, spec_config("DFLASH_TFM", tmp_path, 32))
+    depths = []
+    proposer = decoder.proposers[32]
+
+    def build(*args):
+        tokens, parents, depth = proposer.build(*args)
+        depths.append(int(depth.max()))
+        return tokens, parents, depth
+
+    decoder.proposers[32] = dataclasses.replace(proposer, build=build)
+    assert decode(decoder)[0] == greedy_reference(model)
+    assert depths and max(depths) <= 7
 
 
 class OracleDrafter:

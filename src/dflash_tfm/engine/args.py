@@ -1,5 +1,5 @@
 """The flags that build an `Engine`, shared by `dflash-tfm generate`, the demo's siblings and the server:
-the target (path, dtype, device, context), CUDA graphs, and the speculative flags of `SpeculativeConfig`."""
+the target (path, dtype, quantization, device, context), CUDA graphs, and the speculative flags of `SpeculativeConfig`."""
 from __future__ import annotations
 
 import argparse
@@ -14,6 +14,9 @@ if TYPE_CHECKING:
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-path", default=None, help="local HF directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
+    p.add_argument("--quantization", default=None, choices=["fp8"],
+                   help="hold the target's projections in FP8 (128 x 128 blocks), quantized at load from BF16 "
+                        "weights; FP8 checkpoints load as FP8 without it. The drafter and Weaver stay BF16")
     p.add_argument("--device", default=None, help="cuda, cuda:1, cpu (default: cuda if available)")
     p.add_argument("--max-model-len", type=int, default=None, help="context length the static caches are sized for")
     p.add_argument("--disable-cuda-graph", action="store_true")
@@ -26,4 +29,4 @@ def engine_from_args(args: argparse.Namespace) -> Engine:
     from dflash_tfm.engine.engine import Engine
 
     return Engine(args.model_path, speculative_config_from_args(args), device=args.device, dtype=args.dtype,
-                  max_model_len=args.max_model_len, use_cuda_graph=not args.disable_cuda_graph)
+                  quantization=args.quantization, max_model_len=args.max_model_len, use_cuda_graph=not args.disable_cuda_graph)

@@ -94,5 +94,7 @@ def _proposer(algorithm: str, size: int, block: int, weaver, children_per_node: 
                         kind="chain")
     if algorithm == "DDTREE":
         return Proposer(lambda root, logits, hidden, h_target: build_ddtree(root, logits, size), num_nodes=size + 1)
+    depth = weaver.config.K  # min(block - 1, the Weaver's K): a Weaver trained for shallower trees reads fewer depths
     return Proposer(lambda root, logits, hidden, h_target: build_weaver_tree(
-        weaver, root, logits, hidden, h_target, size, children_per_node=children_per_node), num_nodes=size + 1)
+        weaver, root, logits[:depth], hidden[:depth], h_target, size, children_per_node=children_per_node),
+        num_nodes=size + 1)

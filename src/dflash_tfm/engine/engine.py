@@ -50,6 +50,7 @@ class Engine:
         *,
         device: str | torch.device | None = None,
         dtype: str | torch.dtype = "auto",
+        quantization: str | None = None,
         max_model_len: int | None = None,
         use_cuda_graph: bool = True,
         progress: bool = True,
@@ -57,6 +58,8 @@ class Engine:
         """model_path None = the embedded SmolLM2-135M-Instruct; then a speculative config without checkpoint
         paths uses the bundle trained for it (loading.default_model.DEFAULT_BUNDLE).
         dtype "auto" = bfloat16 on CUDA and float32 on the CPU (CPU bf16 matmuls are slow and inexact).
+        quantization "fp8" holds a BF16 checkpoint's projections in FP8 (loading/fp8_layout.py); FP8 checkpoints
+        load as FP8 either way.
         max_model_len defaults to min(the model's context, 32768) and sizes the static caches.
         `self.speculative` is the config as run: checkpoint paths filled in, block_size the drafter's own."""
         speculative = (speculative or SpeculativeConfig()).with_checkpoints(DEFAULT_BUNDLE if model_path is None else None)
@@ -70,7 +73,7 @@ class Engine:
         self.dtype = parse_dtype(dtype)
         # RoPE tables only need the positions the caches can hold (not e.g. Qwen3.6's 262144).
         loaded = load_target(model_path, self.device, self.dtype, max_positions=max_model_len or DEFAULT_MAX_MODEL_LEN,
-                             progress=progress)
+                             progress=progress, quantization=quantization)
         self.config, self.tokenizer, self.model_path = loaded.config, loaded.tokenizer, loaded.source_path
         limit = min(self.config.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
         self.max_model_len = int(max_model_len or limit)

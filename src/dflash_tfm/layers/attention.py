@@ -13,7 +13,7 @@ from dflash_tfm.config import ModelConfig
 from dflash_tfm.kernels.attention.reference import sigmoid_gate_reference
 from dflash_tfm.kernels.attention.tree_attention import tree_attention
 from dflash_tfm.layers.compile import fuse_on_cuda
-from dflash_tfm.layers.linear import linear
+from dflash_tfm.layers.linear import linear, projection_weight
 from dflash_tfm.layers.norm import RMSNorm, rms_norm
 from dflash_tfm.layers.rotary import RotaryEmbedding, apply_rotary, apply_rotary_to_keys
 from dflash_tfm.tuning import TunedChoice
@@ -26,8 +26,8 @@ class Attention(nn.Module):
         self.gated = cfg.attn_output_gate
         self.q_size = cfg.num_heads * cfg.head_dim * (2 if self.gated else 1)
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = nn.Parameter(torch.empty(self.q_size + 2 * self.kv_size, cfg.hidden_size))
-        self.o_proj = nn.Parameter(torch.empty(cfg.hidden_size, cfg.num_heads * cfg.head_dim))
+        self.qkv_proj = projection_weight(self.q_size + 2 * self.kv_size, cfg.hidden_size)
+        self.o_proj = projection_weight(cfg.hidden_size, cfg.num_heads * cfg.head_dim)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.norm_plus_one) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.norm_plus_one) if cfg.qk_norm else None
         self.scale = cfg.head_dim**-0.5

@@ -17,13 +17,16 @@ from __future__ import annotations
 import torch
 
 from dflash_tfm.kernels.linear.fused_gemv import add_norm_gemv
+from dflash_tfm.layers.fp8_weight import Fp8Weight
 from dflash_tfm.layers.linear import linear
 from dflash_tfm.layers.norm import RMSNorm
 
 
-def add_norm_linear(h: torch.Tensor, delta: torch.Tensor, norm: RMSNorm, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(h + delta, weight · norm(h + delta)): the residual add, the next norm and the projection after it."""
-    if h.is_cuda and h.numel() == h.shape[-1]:
+def add_norm_linear(h: torch.Tensor, delta: torch.Tensor, norm: RMSNorm,
+                    weight: torch.Tensor | Fp8Weight) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h + delta, weight · norm(h + delta)): the residual add, the next norm and the projection after it. An FP8
+    weight takes the unfused path (its weight stream does not compute the norm)."""
+    if h.is_cuda and h.numel() == h.shape[-1] and not isinstance(weight, Fp8Weight):
         return add_norm_gemv(h, delta, norm.weight, norm.eps, norm.plus_one, weight)
     h_new, x = norm.add_forward(h, delta)
     return h_new, linear(x, weight)

@@ -23,7 +23,7 @@ from dflash_tfm.kernels.gdn.tree_inputs import gdn_tree_inputs
 from dflash_tfm.kernels.gdn.tree_reference import GDNTreeContext
 from dflash_tfm.kernels.gdn.tree_verify import gdn_tree_verify
 from dflash_tfm.layers.compile import fuse_on_cuda
-from dflash_tfm.layers.linear import linear
+from dflash_tfm.layers.linear import linear, projection_weight
 from dflash_tfm.layers.norm import gated_rms_norm
 from dflash_tfm.tree import TreeSpec
 
@@ -67,12 +67,12 @@ class GatedDeltaNet(nn.Module):
         self.dk, self.dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
         self.value_dim, self.conv_dim = cfg.gdn_value_dim, cfg.gdn_conv_dim
         self.eps = cfg.rms_norm_eps
-        self.in_proj = nn.Parameter(torch.empty(self.conv_dim + self.value_dim + 2 * self.hv, cfg.hidden_size))
+        self.in_proj = projection_weight(self.conv_dim + self.value_dim + 2 * self.hv, cfg.hidden_size)
         self.conv_weight = nn.Parameter(torch.empty(self.conv_dim, cfg.linear_conv_kernel_dim))
         self.A_log = nn.Parameter(torch.empty(self.hv))
         self.dt_bias = nn.Parameter(torch.empty(self.hv))
         self.norm_weight = nn.Parameter(torch.empty(self.dv))
-        self.out_proj = nn.Parameter(torch.empty(cfg.hidden_size, self.value_dim))
+        self.out_proj = projection_weight(cfg.hidden_size, self.value_dim)
 
     def output_norm(self, o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """o, z [B, T, HV, dv] -> out_proj's input [B, T, HV·dv] (the gated norm)."""

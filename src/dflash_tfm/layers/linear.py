@@ -22,8 +22,10 @@ from typing import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from dflash_tfm.kernels.linear.skinny_matmul import MAX_ROWS, SkinnyConfig, skinny_matmul, tile_config
+from dflash_tfm.layers.fp8_weight import Fp8Weight, fp8_linear
 from dflash_tfm.tuning import TunedChoice
 
 MIN_WEIGHT_ELEMENTS = 1 << 22  # smaller weights are not a bandwidth question: cuBLAS
@@ -32,6 +34,26 @@ MAX_SKINNY_ROWS = 16  # one row tile of the skinny kernel
 MIN_PARTS_ROWS, MIN_PARTS_WIDTH = 17, 16384  # where two column parts are timed: tree verify's rows, wide weights
 PROJECTION = TunedChoice("projection", default="cublas", candidates=("cublas", "cublaslt", "cublas/2", *SKINNY))
 _active = False
+_deferred = False
+
+
+def projection_weight(*shape: int) -> nn.Parameter:
+    """A projection's weight, uninitialised, in the default dtype and device; on the meta device inside
+    `deferred_projection_weights()`."""
+    return nn.Parameter(torch.empty(*shape, device="meta" if _deferred else None))
+
+
+@contextmanager
+def deferred_projection_weights() -> Iterator[None]:
+    """Create projection weights on the meta device inside this block. A loader builds the model so, then allocates
+    each projection in the format its checkpoint holds (BF16, or FP8 with scales: `loading/fp8_layout.py`), so an
+    FP8 model never allocates the BF16 copy of its projections."""
+    global _deferred
+    previous, _deferred = _deferred, True
+    try:
+        yield
+    finally:
+        _deferred = previous
 
 
 @contextmanager
@@ -45,8 +67,11 @@ def skinny_projections() -> Iterator[None]:
         _active = previous
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``x [..., K] @ weight[N, K]ᵀ``, like ``F.linear`` without bias."""
+def linear(x: torch.Tensor, weight: torch.Tensor | Fp8Weight) -> torch.Tensor:
+    """``x [..., K] @ weight[N, K]ᵀ``, like ``F.linear`` without bias; an FP8 weight takes its own kernels
+    (`layers/fp8_weight.py`)."""
+    if isinstance(weight, Fp8Weight):
+        return fp8_linear(x, weight)
     rows = x.numel() // x.shape[-1]
     if not (_active and x.is_cuda and 1 <= rows <= MAX_ROWS and weight.numel() >= MIN_WEIGHT_ELEMENTS):
         return F.linear(x, weight)

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash_tfm.layers.compile import fuse_on_cuda
-from dflash_tfm.layers.linear import linear
+from dflash_tfm.layers.linear import linear, projection_weight
 
 
 @fuse_on_cuda
@@ -21,8 +21,8 @@ class SwiGLU(nn.Module):
 
     def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
-        self.gate_up = nn.Parameter(torch.empty(2 * intermediate_size, hidden_size))
-        self.down = nn.Parameter(torch.empty(hidden_size, intermediate_size))
+        self.gate_up = projection_weight(2 * intermediate_size, hidden_size)
+        self.down = projection_weight(hidden_size, intermediate_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(silu_and_mul(linear(x, self.gate_up)), self.down)

@@ -16,7 +16,9 @@ import torch
 from torch import nn
 
 from dflash_tfm.kernels.moe.grouped_experts import routed_experts
-from dflash_tfm.layers.linear import linear
+from dflash_tfm.kernels.moe.reference import routed_experts_reference
+from dflash_tfm.layers.fp8_weight import Fp8Weight
+from dflash_tfm.layers.linear import linear, projection_weight
 from dflash_tfm.layers.mlp import silu_and_mul
 
 
@@ -35,10 +37,10 @@ class SparseMoE(nn.Module):
     ) -> None:
         super().__init__()
         self.num_experts, self.top_k, self.normalise_top_k = num_experts, top_k, normalise_top_k
-        self.in_proj = nn.Parameter(torch.empty(num_experts + 1 + 2 * shared_width, hidden_size))
-        self.shared_down = nn.Parameter(torch.empty(hidden_size, shared_width))
-        self.experts_gate_up = nn.Parameter(torch.empty(num_experts, 2 * expert_width, hidden_size))
-        self.experts_down = nn.Parameter(torch.empty(num_experts, hidden_size, expert_width))
+        self.in_proj = projection_weight(num_experts + 1 + 2 * shared_width, hidden_size)
+        self.shared_down = projection_weight(hidden_size, shared_width)
+        self.experts_gate_up = projection_weight(num_experts, 2 * expert_width, hidden_size)
+        self.experts_down = projection_weight(num_experts, hidden_size, expert_width)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., H] (normed) -> [..., H]."""
@@ -47,7 +49,8 @@ class SparseMoE(nn.Module):
         router_logits, shared_gate, shared_gate_up = linear(rows, self.in_proj).split(
             [self.num_experts, 1, 2 * shared_width], dim=-1)
         weights, experts = route(router_logits, self.top_k, self.normalise_top_k)
-        routed = routed_experts(rows, weights.to(x.dtype), experts, self.experts_gate_up, self.experts_down)
+        run = fp8_routed_experts if isinstance(self.experts_gate_up, Fp8Weight) else routed_experts
+        routed = run(rows, weights.to(x.dtype), experts, self.experts_gate_up, self.experts_down)
         shared = torch.sigmoid(shared_gate) * linear(silu_and_mul(shared_gate_up), self.shared_down)
         return (routed + shared).view(x.shape)
 
@@ -61,3 +64,15 @@ def route(router_logits: torch.Tensor, top_k: int, normalise: bool) -> tuple[tor
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, experts
 
+
+
+def fp8_routed_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, gate_up: Fp8Weight,
+                       down: Fp8Weight) -> torch.Tensor:
+    """The routed experts of FP8 expert stacks: each assignment's expert gathered and dequantised to x's dtype,
+    then the twin's batched products over those copies (static shapes, capture-safe). Correct, but it reads k · T
+    dequantised copies rather than streaming the FP8 bytes once per active expert: the grouped kernel takes
+    BF16 weights only so far."""
+    ids = experts.flatten()
+    slots = torch.arange(ids.numel(), device=ids.device).view_as(experts)  # assignment i uses copy i
+    return routed_experts_reference(x, weights, slots, gate_up[ids].dequantize(x.dtype),
+                                    down[ids].dequantize(x.dtype))

@@ -179,6 +179,10 @@ class GGUFCheckpoint:
         """GGML storage type of a tensor, e.g. "Q4_1", "Q8_0", "F32"."""
         return self._tensor(name).tensor_type.name
 
+    def tensor_dtype(self, name: str) -> str:
+        """The GGUF storage type's name (Q4_1, F32, ...)."""
+        return self._tensor(name).tensor_type.name
+
     def load_tensor(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Dequantize one tensor to `dtype` in HF layout (q/k rows un-permuted for llama)."""
         tensor = self._tensor(name)

@@ -2,7 +2,9 @@
 
 Every check happens against the shard headers before any tensor is read, so a mismatched checkpoint fails
 in seconds with the key and both shapes named; tensors are then streamed one at a time into parameters
-allocated once on the target device (never two full copies of the weights).
+allocated once on the target device (never two full copies of the weights). Projections are allocated only
+once the checkpoint's names say in which format each is held (BF16, or FP8 with block scales:
+`fp8_layout.py`), so an FP8 checkpoint never occupies its BF16 size.
 """
 from __future__ import annotations
 
@@ -16,6 +18,13 @@ from tqdm.auto import tqdm
 
 from dflash_tfm.config import ModelConfig, load_config_file
 from dflash_tfm.errors import CheckpointError
+from dflash_tfm.kernels.fp8.block_quant import dequantize_rows, expand_block_scales, quantize_blocks
+from dflash_tfm.layers.fp8_weight import Fp8Weight
+from dflash_tfm.layers.linear import deferred_projection_weights
+from dflash_tfm.loading.fp8_layout import (
+    KEPT_DENSE, SCALE_SUFFIX, allocate_projections, fp8_plan, scale_name, scale_problems, stored_fp8,
+)
+from dflash_tfm.loading.quantization import FP8, check_quantization_flag, checkpoint_quantization
 from dflash_tfm.loading.safetensors_dir import SafetensorsDir
 from dflash_tfm.loading.weight_map import IGNORED, expected_tensors
 from dflash_tfm.models.decoder import CausalLM
@@ -24,7 +33,8 @@ from dflash_tfm.models.decoder import CausalLM
 class CheckpointSource(Protocol):
     def tensor_names(self) -> list[str]: ...
     def tensor_shape(self, name: str) -> tuple[int, ...]: ...
-    def load_tensor(self, name: str, dtype: torch.dtype) -> torch.Tensor: ...
+    def tensor_dtype(self, name: str) -> str: ...
+    def load_tensor(self, name: str, dtype: torch.dtype | None) -> torch.Tensor: ...
 
 
 @dataclass
@@ -77,13 +87,16 @@ def open_checkpoint(path: str | Path | None) -> tuple[CheckpointSource, dict, Pa
     return SafetensorsDir(p), load_config_file(p), p
 
 
-def check_checkpoint(source: CheckpointSource, cfg: ModelConfig) -> None:
-    """Raise CheckpointError listing every missing, unexpected or wrongly-shaped tensor."""
+def check_checkpoint(source: CheckpointSource, cfg: ModelConfig, quantization: str | None = None) -> None:
+    """Raise CheckpointError listing every missing, unexpected or wrongly-shaped tensor (and, for an FP8
+    checkpoint, every scale that does not fit its weight). `quantization` is what config.json declares."""
     names = set(source.tensor_names())
     specs = expected_tensors(cfg, names)
-    problems = []
+    problems = scale_problems(source, specs, quantization == FP8)
     for name in sorted(names):
         if IGNORED.search(name) or (cfg.tie_word_embeddings and name == "lm_head.weight"):
+            continue
+        if name.endswith(SCALE_SUFFIX):  # checked by scale_problems
             continue
         if name not in specs:
             problems.append(f"unexpected tensor {name!r} (shape {list(source.tensor_shape(name))})")
@@ -98,18 +111,55 @@ def check_checkpoint(source: CheckpointSource, cfg: ModelConfig) -> None:
         raise CheckpointError(f"checkpoint does not fit the {cfg.model_type} config:\n  {shown}{more}")
 
 
-def load_weights(model: CausalLM, source: CheckpointSource, cfg: ModelConfig, progress: bool = True) -> None:
-    """Stream every expected tensor from `source` into the model's (fused) parameters."""
-    check_checkpoint(source, cfg)
+def load_weights(model: CausalLM, source: CheckpointSource, cfg: ModelConfig, progress: bool = True,
+                 stored_quantization: str | None = None, quantization: str | None = None) -> None:
+    """Stream every expected tensor from `source` into the model's (fused) parameters.
+
+    `stored_quantization` is what config.json declares (`quantization.checkpoint_quantization`); with
+    `quantization` "fp8" the BF16 projections are quantized at load. Projections still on the meta device
+    (`deferred_projection_weights`) are allocated here, in FP8 where the checkpoint or the flag makes them FP8."""
+    check_checkpoint(source, cfg, stored_quantization)
+    names = set(source.tensor_names())
+    specs = expected_tensors(cfg, names)
+    device, dtype = model.embed_tokens.device, model.embed_tokens.dtype
+    stored = stored_fp8(names) & set(specs)
+    projections = {n for n, p in model.named_parameters() if p.is_meta}
+    wanted = stored | ({n for n in specs if not KEPT_DENSE.search(n)} if quantization == FP8 else set())
+    held_fp8 = {n for n in wanted if _destinations(specs[n]) <= projections}
+    allocate_projections(model, fp8_plan(specs, held_fp8), device, dtype)
     params = dict(model.named_parameters())
-    dtype = model.embed_tokens.dtype
-    specs = expected_tensors(cfg, set(source.tensor_names()))
+    holders = {n: m for n, m in model.named_modules() if isinstance(m, Fp8Weight)}
     for name in tqdm(list(specs), desc="loading weights", unit="tensor", disable=not progress, leave=False):
         spec = specs[name]
         with torch.no_grad():
-            for param_name, row, piece in spec.assign(source.load_tensor(name, dtype)):
+            weight, scales = _read(source, name, name in stored, name in held_fp8, device, dtype)
+            pieces = spec.assign(weight)
+            scale_pieces = [None] * len(pieces) if scales is None else [p for _, _, p in spec.assign(scales)]
+            for (param_name, row, piece), scale in zip(pieces, scale_pieces):
+                if param_name in holders:  # FP8 rows with their scales, or the holder's exact rows
+                    holders[param_name].write_rows(row, _as_rows(piece), None if scale is None else _as_rows(scale))
+                    continue
                 target, piece = _as_rows(params[param_name]), _as_rows(piece)
                 target[row : row + piece.shape[0]].copy_(piece.to(target.dtype))
+
+
+def _read(source: CheckpointSource, name: str, stored_fp8: bool, held_fp8: bool, device: torch.device,
+          dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One checkpoint tensor as it will be held: (FP8 weight, per-row scales) or (`dtype` weight, None). An FP8
+    tensor held densely is dequantized; a dense one held in FP8 is quantized in 128 x 128 blocks (on `device`)."""
+    if stored_fp8:
+        weight = source.load_tensor(name, None)
+        scales = expand_block_scales(source.load_tensor(scale_name(name), torch.float32), weight.shape[-2])
+        return (weight, scales) if held_fp8 else (dequantize_rows(weight, scales, dtype), None)
+    if not held_fp8:
+        return source.load_tensor(name, dtype), None
+    weight, block_scales = quantize_blocks(source.load_tensor(name, torch.float32).to(device))
+    return weight, expand_block_scales(block_scales, weight.shape[-2])
+
+
+def _destinations(spec) -> set[str]:
+    """The parameters a checkpoint tensor is written into."""
+    return {param for param, _, _ in spec.assign(torch.empty(spec.shape, device="meta"))}
 
 
 def _as_rows(t: torch.Tensor) -> torch.Tensor:
@@ -127,14 +177,29 @@ def build_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, max_
 
 def load_target(
     path: str | Path | None, device: torch.device, dtype: torch.dtype, max_positions: int | None = None,
-    progress: bool = True,
+    progress: bool = True, quantization: str | None = None,
 ) -> LoadedTarget:
-    """Load config, tokenizer and weights of a local target checkpoint."""
+    """Load config, tokenizer and weights of a local target checkpoint; `quantization` "fp8" holds its BF16
+    projections in FP8 (`fp8_layout.py` says which)."""
     source, raw_config, resolved = open_checkpoint(path)
-    cfg = ModelConfig.from_dict(raw_config)
-    model = build_model(cfg, device, dtype, max_positions or cfg.max_position_embeddings)
-    load_weights(model, source, cfg, progress=progress)
+    model, cfg = load_model(source, raw_config, device, dtype, max_positions, progress, quantization)
     return LoadedTarget(model, cfg, load_tokenizer(source, resolved), resolved)
+
+
+def load_model(
+    source: CheckpointSource, raw_config: dict, device: torch.device, dtype: torch.dtype,
+    max_positions: int | None = None, progress: bool = True, quantization: str | None = None,
+) -> tuple[CausalLM, ModelConfig]:
+    """The target model of an opened checkpoint, weights loaded: the config's quantization (None or FP8) and the
+    `quantization` flag checked first, projections allocated in the format they are held in."""
+    quantization = check_quantization_flag(quantization)
+    stored_quantization = checkpoint_quantization(raw_config)
+    cfg = ModelConfig.from_dict(raw_config)
+    with deferred_projection_weights():
+        model = build_model(cfg, device, dtype, max_positions or cfg.max_position_embeddings)
+    load_weights(model, source, cfg, progress=progress, stored_quantization=stored_quantization,
+                 quantization=quantization)
+    return model, cfg
 
 
 def load_tokenizer(source: CheckpointSource, path: Path):

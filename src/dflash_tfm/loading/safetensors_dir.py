@@ -63,8 +63,14 @@ class SafetensorsDir:
     def tensor_shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._handle(name).get_slice(name).get_shape())
 
-    def load_tensor(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+    def tensor_dtype(self, name: str) -> str:
+        """The stored dtype's safetensors name (BF16, F8_E4M3, ...), read from the header."""
+        return self._handle(name).get_slice(name).get_dtype()
+
+    def load_tensor(self, name: str, dtype: torch.dtype | None) -> torch.Tensor:
+        """One tensor converted to `dtype` (None: as stored, e.g. FP8 weights)."""
         try:
-            return self._handle(name).get_tensor(name).to(dtype)
+            tensor = self._handle(name).get_tensor(name)
+            return tensor if dtype is None else tensor.to(dtype)
         except Exception as e:
             raise CheckpointError(f"cannot read tensor {name!r} from {self._file_of[name]}: {e}") from None

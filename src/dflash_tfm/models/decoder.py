@@ -72,7 +72,7 @@ class CausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_plus_one)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size))
-        self.rope = RotaryEmbedding(cfg.head_dim, cfg.rotary_dim, cfg.rope_theta, max_positions)
+        self.rope = RotaryEmbedding(cfg.head_dim, cfg.rotary_dim, cfg.rope, max_positions, "target")
 
     @property
     def lm_head_weight(self) -> torch.Tensor:

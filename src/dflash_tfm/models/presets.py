@@ -58,6 +58,7 @@ QWEN3_6_27B_DFLASH: dict = {
     "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": 5120, "num_hidden_layers": 5,
     "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 17408,
     "rms_norm_eps": 1e-6, "rope_theta": 10_000_000.0, "layer_types": [_S, _S, _S, _S, _F], "sliding_window": 2048,
+    "use_sliding_window": True,
     "num_target_layers": 64, "block_size": 16,
     "dflash_config": {"mask_token_id": 248070, "target_layer_ids": [1, 16, 31, 46, 61]},
 }

@@ -58,6 +58,7 @@ class ServerArgs:
 
     model_path: str | None = None
     dtype: str = "auto"
+    quantization: str | None = None
     device: str | None = None
     max_model_len: int | None = None
     disable_cuda_graph: bool = False
@@ -180,7 +181,7 @@ def server_args_from_namespace(ns: argparse.Namespace, environ: dict[str, str] |
     else:
         admitted = DEFAULT_MAX_ADMITTED
     return ServerArgs(
-        model_path=ns.model_path, dtype=ns.dtype, device=ns.device, max_model_len=ns.max_model_len,
+        model_path=ns.model_path, dtype=ns.dtype, quantization=ns.quantization, device=ns.device, max_model_len=ns.max_model_len,
         disable_cuda_graph=ns.disable_cuda_graph, speculative=spec, host=ns.host, port=ns.port,
         served_model_name=ns.served_model_name, max_admitted_requests=admitted, api_key=api_key,
         allowed_hosts=allowed, max_request_bytes=ns.max_request_bytes, timeout_read=ns.timeout_read,

@@ -243,7 +243,7 @@ class DFlashDrafter(nn.Module):
             (torch.zeros(shape, dtype=self.dtype, device=self.device), torch.zeros(shape, dtype=self.dtype, device=self.device))
             for _ in self.layers
         ]
-        self.rope = RotaryEmbedding(cfg.head_dim, cfg.head_dim, cfg.rope_theta, max_len).to(self.device)
+        self.rope = RotaryEmbedding(cfg.head_dim, cfg.head_dim, cfg.rope, max_len, "drafter").to(self.device)
         self.register_buffer("_slots", torch.arange(max_len, device=self.device), persistent=False)
         self.max_len = max_len
 
@@ -292,16 +292,31 @@ class DFlashDrafter(nn.Module):
             raise ValueError(f"a block at position {position} needs kv_len >= {position + B}, got {kv_len}")
         ids = torch.cat((root_token.view(1).to(self._mask_ids.dtype), self._mask_ids))
         h = F.embedding(ids, self.embed_tokens).unsqueeze(0)
+        if self.config.input_embedding_scale != 1.0:
+            h = h * self.config.input_embedding_scale
         qpos = self._block_offsets + position  # [B]
         keys = {sliding: self._key_set(qpos, kv_len, sliding) for sliding in {layer.sliding for layer in self.layers}}
         cfg = self.config
-        unwindowed = kv_len <= (cfg.sliding_window or 0)  # every slot < kv_len is within the window of every query
+        # every slot < kv_len is within the window of every query (or sliding layers have no window)
+        unwindowed = cfg.sliding_window is None or kv_len <= cfg.sliding_window
         for layer, (k_cache, v_cache) in zip(self.layers, self.caches):
             h = layer(h, qpos.view(1, B), self.rope, k_cache, v_cache, *keys[layer.sliding],
                       context_then_block=not layer.sliding or unwindowed,
                       causal_in_block=layer.sliding and cfg.causal_sliding_in_block)
         hidden = self.norm(h)[:, 1:]
-        return linear(hidden, self.lm_head_weight).float(), hidden
+        return self.logits(hidden), hidden
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits of final-normed drafter hidden states through the target's lm_head, times the config's
+        `output_multiplier` and soft-capped by `final_logit_softcapping` (the reference's `compute_logits`, done in
+        fp32 rather than the model dtype)."""
+        logits = linear(hidden, self.lm_head_weight).float()
+        cfg = self.config
+        if cfg.output_multiplier != 1.0:
+            logits = logits * cfg.output_multiplier
+        if cfg.final_logit_softcapping is not None:
+            logits = torch.tanh(logits / cfg.final_logit_softcapping) * cfg.final_logit_softcapping
+        return logits
 
     def _key_set(self, qpos: torch.Tensor, kv_len: int, sliding: bool) -> tuple[int | torch.Tensor, torch.Tensor]:
         """Cache slots a layer reads and their mask. Sliding layers gather only the W-1 context slots before

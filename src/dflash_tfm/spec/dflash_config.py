@@ -15,9 +15,14 @@ import torch
 
 from dflash_tfm.config import FULL_ATTENTION, ModelConfig
 from dflash_tfm.errors import CheckpointError, CheckpointNotFoundError
+from dflash_tfm.rope_parameters import RopeParameters
 
 SLIDING_ATTENTION = "sliding_attention"
 DFLASH_ARCHITECTURE = "DFlashDraftModel"
+# transformers' Qwen3Config defaults the reference drafter class reads when a field is absent.
+DEFAULT_MAX_POSITIONS = 32768
+DEFAULT_MAX_WINDOW_LAYERS = 28
+DEFAULT_HEAD_DIM, DEFAULT_KV_HEADS = 128, 32
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -37,6 +42,16 @@ class DFlashConfig:
     (False). Full-attention layers are always bidirectional inside the block. Unless the caller forces it,
     the config's `is_causal` decides, and without one it is True: the current z-lab reference
     (`is_causal = layer_type == "sliding_attention"`) and SGLang both run sliding layers causally.
+
+    `sliding_window` follows transformers' Qwen3Config, the class the reference drafter is built on: it is the
+    config's `sliding_window` only when `use_sliding_window` is true (the class default is false), so a drafter
+    whose config leaves the window off runs its `sliding_attention` layers over every key (still causal inside
+    the block as above). Without `layer_types`, layers from `max_window_layers` on slide when the window is on.
+
+    The reference's optional output fields (z-lab `DFlashDraftModel.compute_logits` and `_raw_input_embeddings`;
+    read from `dflash_config` first, then the top level): the block's token embeddings are multiplied by
+    `input_embedding_scale`, the logits by `output_multiplier`, then soft-capped as
+    `cap · tanh(logits / cap)` when `final_logit_softcapping` is set and positive.
     """
 
     hidden_size: int
@@ -46,7 +61,7 @@ class DFlashConfig:
     head_dim: int
     intermediate_size: int
     rms_norm_eps: float
-    rope_theta: float
+    rope: RopeParameters
     layer_types: list[str]
     sliding_window: int | None  # None when no layer slides
     block_size: int
@@ -54,10 +69,23 @@ class DFlashConfig:
     target_layer_ids: list[int]
     num_target_layers: int | None = None
     causal_sliding_in_block: bool = False
+    input_embedding_scale: float = 1.0
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float | None = None
 
     @property
     def num_taps(self) -> int:
         return len(self.target_layer_ids)
+
+    @property
+    def rope_theta(self) -> float:
+        return self.rope.theta
+
+    @property
+    def shapes_logits(self) -> bool:
+        """Whether the drafter rescales its inputs or logits (the reference's optional output fields)."""
+        return (self.input_embedding_scale != 1.0 or self.output_multiplier != 1.0
+                or self.final_logit_softcapping is not None)
 
     @classmethod
     def from_dict(cls, raw: dict, causal_sliding_in_block: bool | None = None) -> "DFlashConfig":
@@ -79,17 +107,17 @@ class DFlashConfig:
             intermediate = int(raw["intermediate_size"])
         except KeyError as e:
             raise CheckpointError(f"drafter config is missing required field {e.args[0]!r}") from None
-        layer_types = list(raw.get("layer_types") or [FULL_ATTENTION] * n)
+        window = _sliding_window(raw)
+        max_window_layers = int(raw.get("max_window_layers", DEFAULT_MAX_WINDOW_LAYERS))
+        layer_types = list(raw.get("layer_types") or [
+            SLIDING_ATTENTION if window is not None and i >= max_window_layers else FULL_ATTENTION for i in range(n)])
         if len(layer_types) != n:
             raise CheckpointError(f"drafter layer_types has {len(layer_types)} entries but num_hidden_layers is {n}")
         unknown = set(layer_types) - {FULL_ATTENTION, SLIDING_ATTENTION}
         if unknown:
             raise CheckpointError(f"unknown drafter layer types {sorted(unknown)}")
-        window = raw.get("sliding_window") if SLIDING_ATTENTION in layer_types else None
-        if window is not None and int(window) > 0:
-            window = int(window)
-        elif SLIDING_ATTENTION in layer_types:
-            raise CheckpointError(f"drafter has sliding_attention layers but sliding_window is {window!r}")
+        if SLIDING_ATTENTION not in layer_types:
+            window = None
         num_target_layers = raw.get("num_target_layers")
         num_target_layers = None if num_target_layers is None else int(num_target_layers)
         taps = pick("target_layer_ids")
@@ -103,15 +131,21 @@ class DFlashConfig:
         block_size = int(pick("block_size", 16))
         if block_size < 2:
             raise CheckpointError(f"drafter block_size must be >= 2, got {block_size}")
+        rope = RopeParameters.from_config(raw, int(raw.get("max_position_embeddings") or DEFAULT_MAX_POSITIONS),
+                                          what="drafter")
+        if rope.partial_rotary_factor != 1.0:
+            raise CheckpointError(f"drafter partial_rotary_factor {rope.partial_rotary_factor}: the reference drafter "
+                                  "rotates the whole head dim")
+        softcap = pick("final_logit_softcapping")
         return cls(
             hidden_size=hidden,
             num_layers=n,
             num_heads=heads,
-            num_kv_heads=int(raw.get("num_key_value_heads") or heads),
-            head_dim=int(raw.get("head_dim") or hidden // heads),
+            num_kv_heads=int(raw.get("num_key_value_heads", DEFAULT_KV_HEADS) or heads),
+            head_dim=int(raw.get("head_dim", DEFAULT_HEAD_DIM) or hidden // heads),
             intermediate_size=intermediate,
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            rope_theta=_rope_theta(raw),
+            rope=rope,
             layer_types=layer_types,
             sliding_window=window,
             block_size=block_size,
@@ -120,6 +154,9 @@ class DFlashConfig:
             num_target_layers=num_target_layers,
             causal_sliding_in_block=bool(raw.get("is_causal", True)) if causal_sliding_in_block is None
             else causal_sliding_in_block,
+            input_embedding_scale=float(pick("input_embedding_scale", 1.0)),
+            output_multiplier=float(pick("output_multiplier", 1.0)),
+            final_logit_softcapping=float(softcap) if softcap is not None and float(softcap) > 0 else None,
         )
 
     def check_fits(self, target: ModelConfig, fc_in_features: int | None = None) -> None:
@@ -156,12 +193,15 @@ class DFlashConfig:
             raise CheckpointError("DFlash drafter does not fit the target:\n  " + "\n  ".join(problems))
 
 
-def _rope_theta(raw: dict) -> float:
-    params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
-    rope_type = params.get("rope_type") or params.get("type") or "default"
-    if rope_type != "default":
-        raise CheckpointError(f"unsupported drafter rope_type {rope_type!r}; supported: default")
-    return float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
+def _sliding_window(raw: dict) -> int | None:
+    """The window of sliding layers as Qwen3Config sets it: the config's `sliding_window` when
+    `use_sliding_window` is true, else none. A window switched on without a positive size is refused."""
+    if not raw.get("use_sliding_window", False):
+        return None
+    window = raw.get("sliding_window")
+    if window is None or int(window) <= 0:
+        raise CheckpointError(f"drafter sets use_sliding_window but its sliding_window is {window!r}")
+    return int(window)
 
 
 def load_dflash_config(path: str | Path, causal_sliding_in_block: bool | None = None) -> DFlashConfig:

@@ -23,8 +23,9 @@ building can be captured in a CUDA graph.
 """
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Protocol
 
@@ -42,6 +43,7 @@ ENCODER_MODES = {3: 3, "global_prompt": 3}  # only the "global prompt" encoder e
 SCORE_HEADS = {4: 4, "simple_score": 4}
 SPECULATOR_KIND = "dflash_tfm_weaver"
 NORM_EPS = 1e-6
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -253,6 +255,14 @@ class Weaver(nn.Module):
             angles = torch.outer(torch.arange(cfg.K + 2, device=p.device).float(), inv_freq).repeat(1, 2)
             self.rope_cos, self.rope_sin = angles.cos(), angles.sin()
 
+    def limit_depth(self, depth: int) -> None:
+        """Grow trees only `depth` < K levels deep (a drafter block shorter than the Weaver's K + 1): the prefix
+        then holds the target's row and `depth` drafter rows, and variants 2/3 keep the first `depth` position
+        embeddings. Call before `prepare` (it sizes the RoPE tables by K)."""
+        self.config = replace(self.config, K=depth)
+        if not self.config.rotary:
+            self.pos_emb = nn.Parameter(self.pos_emb[:depth].clone(), requires_grad=False)
+
     def _rope(self, positions: torch.Tensor | slice) -> tuple[torch.Tensor, torch.Tensor] | None:
         return (self.rope_cos[positions], self.rope_sin[positions]) if self.config.rotary else None
 
@@ -329,8 +339,10 @@ def load_weaver(
 ) -> Weaver:
     """Load a Weaver ``torch.save`` checkpoint strictly and precompute its tables for ``target_model``.
 
-    ``target_cfg`` is the target's config (only ``hidden_size`` is read). Any missing or extra key, wrong shape,
-    or config that does not fit the target raises :class:`CheckpointError`.
+    ``target_cfg`` is the target's config (only ``hidden_size`` is read). Any missing or extra tensor or config
+    key, wrong shape, or config that does not fit the target raises :class:`CheckpointError`. As the published
+    system does, trees grow min(block_size − 1, K) levels deep (`Weaver.limit_depth` when the drafter's block is
+    the shorter), and top-level keys besides ``config`` / ``state_dict`` / ``metadata`` are ignored (logged).
     """
     path = Path(path).expanduser()
     payload = _read_payload(path)
@@ -341,8 +353,6 @@ def load_weaver(
         raise CheckpointError(f"Weaver d_model {cfg.d_model} does not match the target hidden size {target_cfg.hidden_size}")
     if cfg.d_embed != embed_dim:
         raise CheckpointError(f"Weaver d_embed {cfg.d_embed} does not match the target embedding dim {embed_dim}")
-    if cfg.K != block_size - 1:
-        raise CheckpointError(f"Weaver K {cfg.K} does not match the draft block size {block_size} (needs K = block_size - 1)")
     state = _fuse_split_qkv(state, cfg)
     with torch.device("meta"):
         model = Weaver(cfg)
@@ -350,12 +360,16 @@ def load_weaver(
     model = model.to_empty(device=device).to(dtype)
     model.load_state_dict(state)
     model.eval().requires_grad_(False)
+    if block_size - 1 < cfg.K:
+        model.limit_depth(block_size - 1)
     model.prepare(target_model.embed_tokens, target_model.lm_head_weight)
     return model
 
 
 def _read_payload(path: Path) -> dict:
-    """``torch.load(weights_only=True)`` plus a structure check of ``{"config", "state_dict", "metadata"?}``."""
+    """``torch.load(weights_only=True)`` plus a structure check of ``{"config", "state_dict", "metadata"?, ...}``
+    (other top-level keys, e.g. a training step or optimizer state the published system's files may carry, are
+    ignored as it ignores them)."""
     if not path.is_file():
         raise CheckpointNotFoundError(f"Weaver checkpoint not found: {path}")
     try:
@@ -364,9 +378,9 @@ def _read_payload(path: Path) -> dict:
         raise CheckpointError(f"cannot read Weaver checkpoint {path}: {e}") from None
     if not isinstance(payload, dict) or not {"config", "state_dict"} <= set(payload):
         raise CheckpointError(f"{path} is not a Weaver checkpoint: expected a dict with 'config' and 'state_dict'")
-    extra = sorted(set(payload) - {"config", "state_dict", "metadata"})
+    extra = sorted(map(str, set(payload) - {"config", "state_dict", "metadata"}))
     if extra:
-        raise CheckpointError(f"{path}: unexpected top-level keys {extra}")
+        logger.info("%s: ignoring top-level keys %s (not part of a Weaver)", path, extra)
     if not isinstance(payload["config"], Mapping) or not isinstance(payload["state_dict"], Mapping):
         raise CheckpointError(f"{path}: 'config' and 'state_dict' must both be dicts")
     bad = [k for k, v in payload["state_dict"].items() if not isinstance(k, str) or not isinstance(v, torch.Tensor)]

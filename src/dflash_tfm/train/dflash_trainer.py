@@ -221,6 +221,9 @@ def continue_drafter(path: str | Path, target: CausalLM, dtype: torch.dtype,
     with zero output projections (`o_proj`, `mlp.down`), so each adds nothing to the residual stream and the
     grown drafter starts out computing exactly what the saved one does. Fewer layers than saved is an error."""
     saved = load_dflash_drafter(path, target, target.config, target.embed_tokens.device, dtype)
+    if saved.config.shapes_logits:
+        raise ValueError(f"{path} scales its embeddings or logits (input_embedding_scale, output_multiplier or "
+                         "final_logit_softcapping), which the trainer's loss does not apply")
     raw = json.loads((Path(path) / "config.json").read_text(encoding="utf-8"))
     have = saved.config.num_layers
     if num_layers is not None and num_layers < have:

@@ -77,7 +77,7 @@ def _skinny_matmul_tma_kernel(
 
 
 @triton.jit
-def _sum_splits_kernel(part, out, MN, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+def sum_splits_kernel(part, out, MN, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
     """out[i] = Σ_s part[s, i] over the flattened [M, N], in split order."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = offs < MN
@@ -117,7 +117,7 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, config: SkinnyConfig = 
             BM=BM, BN=c.block_n, BK=c.block_k, num_warps=c.num_warps, num_stages=c.num_stages)
     if splits > 1:
         BLOCK = 1024
-        _sum_splits_kernel[(triton.cdiv(M * N, BLOCK),)](target, out, M * N, SPLIT_K=splits, BLOCK=BLOCK)
+        sum_splits_kernel[(triton.cdiv(M * N, BLOCK),)](target, out, M * N, SPLIT_K=splits, BLOCK=BLOCK)
     return out.view(*lead, N)
 
 

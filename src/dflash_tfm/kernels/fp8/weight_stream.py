@@ -1,0 +1,106 @@
+"""``y = x (weight · scale)ᵀ`` for few rows (1 … 256: a decode step, tree verify, drafter-sized blocks) with the
+weight in FP8 and its block scales applied in the kernel: a weight stream that reads one byte per weight.
+
+The design is `kernels/linear/skinny_matmul.py`'s: one program owns a ``BM × BN`` output tile and a slice of K,
+split-K into an fp32 workspace summed in a fixed order by a second kernel (deterministic, identical in eager runs
+and CUDA-graph replays, no atomics). The K step is the 128-wide scale block, so each step loads an FP8 tile
+``[BN, 128]``, widens it to the activations' dtype (exact: every e4m3 value is a bf16 / fp16 value), multiplies it
+on the tensor cores with fp32 accumulation, and scales that step's partial product by the tile rows' scales for
+this K block (``scale [N, ⌈K/128⌉]``, one per output row: `block_quant`) before adding it to the fp32 accumulator.
+Every launch allocates only its output (and the split workspace), so it is safe inside a CUDA-graph capture.
+
+The twin is `reference.fp8_matmul_reference` (dequantise, then ``F.linear``); the two differ by the twin's one
+rounding of the dequantised weight to the activations' dtype.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from dflash_tfm.kernels import use_triton
+from dflash_tfm.kernels.fp8.block_quant import BLOCK
+from dflash_tfm.kernels.fp8.reference import fp8_matmul_reference
+from dflash_tfm.kernels.linear.skinny_matmul import block_m, sum_splits_kernel
+
+MAX_ROWS = 256  # beyond this the weight is dequantised once and cuBLAS runs (prefill)
+SHARED_MEMORY_BUDGET = 200 * 1024  # bytes of pipelined tiles per program (sm_90 has 228 KB)
+
+
+@dataclass(frozen=True)
+class Fp8StreamConfig:
+    block_n: int = 64
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 4
+
+
+@triton.jit
+def _fp8_matmul_kernel(
+    x, w, s, out, M, N, K, k_per_split, sxm, sxk, swn, swk, ssn, ssk, som, son, sos,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Grid (cdiv(N, BN), cdiv(M, BM), SPLIT_K). w FP8 [N, K]; s fp32 [N, cdiv(K, BK)]; out [SPLIT_K, M, N] fp32
+    partials, or [M, N] when SPLIT_K = 1 (sos unused then). k_per_split is a multiple of BK."""
+    offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
+    offs_m = tl.program_id(1) * BM + tl.arange(0, BM)
+    split = tl.program_id(2)
+    k_lo = split * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
+    mm, nm = offs_m < M, offs_n < N
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BK):
+        offs_k = k0 + tl.arange(0, BK)
+        km = offs_k < k_hi
+        a = tl.load(x + offs_m[:, None] * sxm + offs_k[None, :] * sxk, mask=mm[:, None] & km[None, :], other=0.0)
+        b = tl.load(w + offs_n[None, :] * swn + offs_k[:, None] * swk, mask=nm[None, :] & km[:, None], other=0.0)
+        scale = tl.load(s + offs_n * ssn + (k0 // BK) * ssk, mask=nm, other=0.0)
+        acc += tl.dot(a, b.to(a.dtype), input_precision=PRECISION) * scale[None, :]
+    tl.store(out + split * sos + offs_m[:, None] * som + offs_n[None, :] * son,
+             acc.to(out.dtype.element_ty), mask=mm[:, None] & nm[None, :])
+
+
+def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+               config: Fp8StreamConfig | None = None) -> torch.Tensor:
+    """``x [..., K] @ (weight · scale)ᵀ -> [..., N]`` in x's dtype with fp32 accumulation: weight FP8 [N, K], scale
+    fp32 [N, ⌈K/128⌉] (on the CPU without Triton's interpreter: the twin)."""
+    N, K = weight.shape
+    if x.shape[-1] != K or scale.shape != (N, -(-K // BLOCK)):
+        raise ValueError(f"x [..., {x.shape[-1]}], weight {list(weight.shape)} and scale {list(scale.shape)} "
+                         f"do not fit (scale must be [N, ceil(K / {BLOCK})])")
+    if not use_triton(x):
+        return fp8_matmul_reference(x, weight, scale)
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, K)
+    M = x2.shape[0]
+    BM = block_m(M)
+    c = config or stream_config(M, N, K, torch.cuda.get_device_properties(x.device).multi_processor_count
+                                if x.is_cuda else 1)
+    k_per_split = triton.cdiv(triton.cdiv(K, c.split_k), BLOCK) * BLOCK
+    splits = triton.cdiv(K, k_per_split)
+    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    target = out if splits == 1 else torch.empty(splits, M, N, dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(N, c.block_n), triton.cdiv(M, BM), splits)
+    out_strides = (target.stride(-2), target.stride(-1), target.stride(0) if splits > 1 else 0)
+    _fp8_matmul_kernel[grid](
+        x2, weight, scale, target, M, N, K, k_per_split, *x2.stride(), *weight.stride(), *scale.stride(),
+        *out_strides, BM=BM, BN=c.block_n, BK=BLOCK, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        num_warps=c.num_warps, num_stages=c.num_stages)
+    if splits > 1:
+        step = 1024
+        sum_splits_kernel[(triton.cdiv(M * N, step),)](target, out, M * N, SPLIT_K=splits, BLOCK=step)
+    return out.view(*lead, N)
+
+
+def stream_config(M: int, N: int, K: int, sms: int, block_n: int = 64) -> Fp8StreamConfig:
+    """The launch for an M × N × K product: the split-K that brings the program count near two per SM (each
+    split keeping ≥ 4 K steps) and as many pipeline stages (≤ 4) as fit the shared memory (16-bit x tile, 8-bit
+    weight tile)."""
+    stages = max(1, min(4, SHARED_MEMORY_BUDGET // ((2 * block_m(M) + block_n) * BLOCK)))
+    tiles = triton.cdiv(N, block_n) * triton.cdiv(M, block_m(M))
+    split = 1
+    while tiles * split < 2 * sms and K // (split * 2) >= 4 * BLOCK:
+        split *= 2
+    return Fp8StreamConfig(block_n, split, 4, stages)
