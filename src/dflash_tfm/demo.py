@@ -17,7 +17,8 @@ compute, so speculative decoding only pays off there with a high τ; the GPU (me
 
 The tree budget is "auto" by default: each step takes the proposal size (0 = a plain decode step) that maximises
 expected tokens per second from step times measured on this machine, and the table shows the sizes taken and
-where a step's time goes (draft / tree / verify / commit).
+where a step's time goes (draft / tree / verify / commit). What the budget learns from acceptance is dropped
+before each cell's timed pass, so both passes of ``--repeat-check`` make the same choices.
 
 Without a bundle the demo says so and runs AR only; ``--random-bundle`` writes random drafter and Weaver
 checkpoints in the published formats to show the machinery, and labels the table "untrained".
@@ -221,6 +222,8 @@ def run_algorithms(
             for dataset, texts in prompts.items():
                 cell = Cell(dataset, algo)
                 for timed_pass in range(2 if repeat else 1):
+                    if getattr(engine.decoder, "budget", None) is not None:
+                        engine.decoder.budget.forget()  # each pass learns from the same start: same choices
                     seconds = 0.0
                     for i, text in enumerate(texts):
                         params = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, seed=seed + i)

@@ -69,6 +69,15 @@ def test_probes_that_find_speculation_paying_resume_drafting() -> None:
     assert all(c.wants_draft() and c.choose([0.0, 5.0, 5.0]) == 8 for _ in range(3))
 
 
+def test_forget_returns_to_the_state_after_build() -> None:
+    c = BudgetController(SIZES, TIMES, probe_every=2)
+    fresh = [c.choose([0.0, 0.0, 0.0] if c.wants_draft() else None) for _ in range(6)]
+    c.observe(8, predicted=1.0, accepted=3)
+    c.forget()
+    assert c.gain is None and c.calibration(8) == 1.0 and not c.chosen
+    assert [c.choose([0.0, 0.0, 0.0] if c.wants_draft() else None) for _ in range(6)] == fresh
+
+
 def test_sizes_need_zero_and_times() -> None:
     with pytest.raises(ValueError, match="must include 0"):
         BudgetController((8, 16), {8: 1.0, 16: 2.0})

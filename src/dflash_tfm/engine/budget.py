@@ -62,6 +62,16 @@ class BudgetController:
     def speculating(self) -> bool:
         return self._gain is None or self._gain > 1.0
 
+    def forget(self) -> None:
+        """Drop everything learned from drafts (calibrations, the gain, the counts), keeping the step times: the
+        state right after the decoder was built (the demo starts each timed pass from it, so a repeated pass
+        makes the same choices)."""
+        self._accepted.clear()
+        self._predicted.clear()
+        self._gain = None
+        self.chosen.clear()
+        self.start_request()
+
     def start_request(self) -> None:
         """A new request probes at the shortest interval again (what it costs is bounded by `PROBE_SHARE`)."""
         self._probe_interval = self.probe_every
