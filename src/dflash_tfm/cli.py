@@ -28,14 +28,18 @@ DELEGATED = {
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from dflash_tfm import SamplingParams
+    from dflash_tfm.parallel.group import is_first_rank
 
     params = SamplingParams(
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_new_tokens=args.max_new_tokens,
         seed=args.seed, stop=args.stop or [],
     )
     engine = engine_from_args(args)
-    print(engine.kernel_path, file=sys.stderr)
     thinking = None if args.reasoning is None else args.reasoning == "on"
+    if not is_first_rank():  # under --tp-size N every rank generates in lockstep; rank 0 prints
+        engine.generate(args.prompt, params, chat=args.chat, enable_thinking=thinking)
+        return 0
+    print(engine.kernel_path, file=sys.stderr)
     out = engine.generate(args.prompt, params, chat=args.chat, enable_thinking=thinking)
     print(out.text)
     s = out.stats

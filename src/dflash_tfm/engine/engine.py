@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import functools
+import random
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -23,6 +24,8 @@ from dflash_tfm.engine.model_runner import ModelRunner
 from dflash_tfm.engine.result import GenerationResult, GenerationStats
 from dflash_tfm.loading.default_model import DEFAULT_BUNDLE
 from dflash_tfm.loading.loader import load_target, parse_dtype
+from dflash_tfm.parallel.group import broadcast_object, init_tensor_parallel, tp_rank, tp_size as group_size
+from dflash_tfm.parallel.sharding import Shard
 from dflash_tfm.sampling import make_generator
 from dflash_tfm.sampling_params import SamplingParams
 from dflash_tfm.speculative_config import SpeculativeConfig
@@ -54,6 +57,7 @@ class Engine:
         max_model_len: int | None = None,
         use_cuda_graph: bool = True,
         progress: bool = True,
+        tp_size: int = 1,
     ) -> None:
         """model_path None = the embedded SmolLM2-135M-Instruct; then a speculative config without checkpoint
         paths uses the bundle trained for it (loading.default_model.DEFAULT_BUNDLE).
@@ -61,11 +65,15 @@ class Engine:
         quantization "fp8" holds a BF16 checkpoint's projections in FP8 (loading/fp8_layout.py); FP8 checkpoints
         load as FP8 either way.
         max_model_len defaults to min(the model's context, 32768) and sizes the static caches.
-        `self.speculative` is the config as run: checkpoint paths filled in, block_size the drafter's own."""
+        `self.speculative` is the config as run: checkpoint paths filled in, block_size the drafter's own.
+        tp_size > 1 splits the target over that many processes (`parallel/`), each of which builds this Engine
+        (started by torchrun): the drafter and Weaver are replicated, so every rank builds the same tree and
+        accepts the same tokens, and only the target's projections communicate."""
         speculative = (speculative or SpeculativeConfig()).with_checkpoints(DEFAULT_BUNDLE if model_path is None else None)
         self.device = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' requested but CUDA is not available")
+        self.device = init_tensor_parallel(tp_size, self.device.type) if tp_size > 1 else self.device
         if self.device.type == "cuda" and self.device.index is not None:
             torch.cuda.set_device(self.device)  # events, streams and graph captures act on the current device
         if dtype == "auto":
@@ -73,7 +81,7 @@ class Engine:
         self.dtype = parse_dtype(dtype)
         # RoPE tables only need the positions the caches can hold (not e.g. Qwen3.6's 262144).
         loaded = load_target(model_path, self.device, self.dtype, max_positions=max_model_len or DEFAULT_MAX_MODEL_LEN,
-                             progress=progress, quantization=quantization)
+                             progress=progress, quantization=quantization, shard=Shard(tp_rank(), tp_size))
         self.config, self.tokenizer, self.model_path = loaded.config, loaded.tokenizer, loaded.source_path
         limit = min(self.config.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
         self.max_model_len = int(max_model_len or limit)
@@ -159,6 +167,8 @@ class Engine:
         """Generate incrementally. Closing the iterator early (client gone) stops decoding at once."""
         params = params or SamplingParams()
         params.validate()
+        if group_size() > 1 and not params.greedy and params.seed is None:  # every rank must draw the same tokens
+            params = replace(params, seed=broadcast_object(random.randrange(2**63)))
         prompt_ids = self.encode_prompt(prompt, chat, enable_thinking)
         if not prompt_ids:
             raise ValueError("prompt is empty")

@@ -25,10 +25,8 @@ def init_tensor_parallel(tp_size: int, device_type: str, rank: int | None = None
     "tcp://127.0.0.1:29511" or "file:///tmp/rdzv"). The whole world is the tensor-parallel group: a world of
     another size is refused, naming the flag."""
     global _size, _rank
-    if tp_size < 1:
-        raise ValueError(f"--tp-size must be at least 1, got {tp_size}")
-    if tp_size == 1:
-        return torch.device(device_type)
+    if tp_size < 2:
+        raise ValueError(f"a tensor-parallel group needs --tp-size 2 or more, got {tp_size} (1 needs no group)")
     world = int(os.environ.get("WORLD_SIZE", tp_size if init_method else 1))
     if world != tp_size:
         raise ValueError(f"--tp-size {tp_size} needs {tp_size} processes, but WORLD_SIZE is {world}: launch with "

@@ -3,7 +3,7 @@
 Flags of the original that mean nothing for a batch-1 single-GPU engine (paging, radix cache, attention
 backends, overlap schedule, ...) are accepted so published launch commands run unchanged, and each one the
 user gave is reported by `log_start_warnings` — never silently reinterpreted. Combinations that cannot work
-(tensor parallelism, a hub revision, speculative flags without an algorithm, ...) fail at start with one
+(tensor parallelism in the server so far, a hub revision, speculative flags without an algorithm, ...) fail at start with one
 clear message instead of surfacing later as a wrong configuration.
 """
 from __future__ import annotations
@@ -98,7 +98,6 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(p)
     p.add_argument("--revision", default=None, help="rejected: weights are local paths only (no hub downloads)")
     p.add_argument("--speculative-draft-model-revision", default=None, help="rejected: local paths only")
-    p.add_argument("--tp-size", type=int, default=1, help="tensor parallelism: only 1 is supported (one GPU)")
     p.add_argument("--max-running-requests", type=int, default=None,
                    help="requests decoded at once; the engine runs 1, so this sizes admission: "
                         f"{QUEUE_PER_RUNNING_SLOT} x N requests may be admitted (running + waiting)")
@@ -138,7 +137,9 @@ def server_args_from_namespace(ns: argparse.Namespace, environ: dict[str, str] |
     """Check a parsed namespace and resolve defaults; raises ServerArgsError naming the offending flags."""
     environ = os.environ if environ is None else environ
     if ns.tp_size != 1:
-        raise ServerArgsError(f"--tp-size {ns.tp_size} is not supported: the engine runs on one GPU (use --tp-size 1)")
+        raise ServerArgsError(f"--tp-size {ns.tp_size} is not supported by the server yet (its worker would have to "
+                              "lead the other ranks request by request): use --tp-size 1, or `dflash-tfm generate "
+                              "--tp-size N` under torchrun")
     for dest in ("revision", "speculative_draft_model_revision"):
         if getattr(ns, dest) is not None:
             raise ServerArgsError(
