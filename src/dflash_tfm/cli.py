@@ -36,11 +36,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
     )
     engine = engine_from_args(args)
     thinking = None if args.reasoning is None else args.reasoning == "on"
-    if not is_first_rank():  # under --tp-size N every rank generates in lockstep; rank 0 prints
-        engine.generate(args.prompt, params, chat=args.chat, enable_thinking=thinking)
+    if not is_first_rank():  # under --tp-size N rank 0 leads and prints; the others decode in lockstep
+        engine.follow()
         return 0
     print(engine.kernel_path, file=sys.stderr)
-    out = engine.generate(args.prompt, params, chat=args.chat, enable_thinking=thinking)
+    try:
+        out = engine.generate(args.prompt, params, chat=args.chat, enable_thinking=thinking)
+    finally:
+        engine.release_followers()
     print(out.text)
     s = out.stats
     print(

@@ -164,11 +164,13 @@ class Engine:
         self, prompt: Prompt, params: SamplingParams | None = None, *, chat: bool = False,
         enable_thinking: bool | None = None,
     ) -> Iterator[StreamDelta]:
-        """Generate incrementally. Closing the iterator early (client gone) stops decoding at once."""
+        """Generate incrementally. Closing the iterator early (client gone) stops decoding at once.
+
+        At tp > 1 only rank 0 calls this: it sends each request to the other ranks, which decode it in lockstep
+        (`follow`), and a stream closed early still decodes to its natural end, silently, so that every rank
+        runs the same steps and their collectives stay matched."""
         params = params or SamplingParams()
         params.validate()
-        if group_size() > 1 and not params.greedy and params.seed is None:  # every rank must draw the same tokens
-            params = replace(params, seed=broadcast_object(random.randrange(2**63)))
         prompt_ids = self.encode_prompt(prompt, chat, enable_thinking)
         if not prompt_ids:
             raise ValueError("prompt is empty")
@@ -177,6 +179,35 @@ class Engine:
                 f"prompt has {len(prompt_ids)} tokens but the context is {self.max_model_len} tokens "
                 "(max_model_len); shorten the prompt"
             )
+        lockstep = group_size() > 1
+        if lockstep:
+            if not params.greedy and params.seed is None:  # every rank must draw the same tokens
+                params = replace(params, seed=random.randrange(2**63))
+            broadcast_object((prompt_ids, params))
+        deltas = self._decode(prompt_ids, params)
+        try:
+            for delta in deltas:
+                yield delta
+        finally:
+            if lockstep:
+                for _ in deltas:
+                    pass
+            deltas.close()
+
+    def follow(self) -> None:
+        """Every rank but 0 at tp > 1: decode each request rank 0 streams, in lockstep with it, until rank 0
+        calls `release_followers`."""
+        while (request := broadcast_object(None)) is not None:
+            for _ in self._decode(*request):
+                pass
+
+    def release_followers(self) -> None:
+        """Rank 0: end the other ranks' `follow` (nothing at tp 1)."""
+        if group_size() > 1:
+            broadcast_object(None)
+
+    def _decode(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[StreamDelta]:
+        """The decode loop of one admitted request: prefill, then steps until a stop or the token budget."""
         budget = min(params.max_new_tokens, self.max_model_len - len(prompt_ids))
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
         stats = GenerationStats(prompt_tokens=len(prompt_ids))
