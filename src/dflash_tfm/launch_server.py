@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from dflash_tfm.engine.engine import Engine
     from dflash_tfm.errors import CheckpointError
-    from dflash_tfm.parallel.group import is_first_rank
+    from dflash_tfm.parallel.group import destroy_tensor_parallel, is_first_rank
     from dflash_tfm.server.app import create_app
     from dflash_tfm.server.http_protocol import protocol_with_header_timeout
 
@@ -40,6 +40,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if not is_first_rank():  # at --tp-size N rank 0 serves; the others decode each request with it
         engine.follow()
+        destroy_tensor_parallel()
         return 0
     logger.info("%s", engine.kernel_path)
     logger.info("serving %s (max_model_len %d, speculative %s) on http://%s:%d; admitting up to %d requests",
@@ -51,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
                     timeout_graceful_shutdown=5)
     finally:
         engine.release_followers()
+        destroy_tensor_parallel()
     return 0
 
 

@@ -45,9 +45,11 @@ def init_tensor_parallel(tp_size: int, device_type: str, rank: int | None = None
 
 
 def destroy_tensor_parallel() -> None:
-    """Leave the group (back to tp 1)."""
+    """Leave the group (back to tp 1), on every rank once all have arrived: a process that exits with the group
+    still up, or while another rank is still receiving from it, can abort inside gloo's threads."""
     global _size, _rank
     if dist.is_initialized():
+        dist.barrier()
         dist.destroy_process_group()
     _size, _rank = 1, 0
 
