@@ -1,5 +1,5 @@
-"""Run a function on `tp` CPU processes joined by gloo, as `torchrun` would start them, and hand rank 0's result
-back to the test (every rank computes; rank 0 reports)."""
+"""Run a function on `tp` CPU processes joined by gloo, as `torchrun` would start them, and hand every rank's
+result back to the test."""
 from __future__ import annotations
 
 import tempfile
@@ -12,21 +12,19 @@ import torch.multiprocessing as mp
 from dflash_tfm.parallel.group import destroy_tensor_parallel, init_tensor_parallel
 
 
-def _rank_main(rank: int, tp: int, rdzv: str, out: str, fn: Callable, args: tuple) -> None:
+def _rank_main(rank: int, tp: int, rdzv: str, out: Path, fn: Callable, args: tuple) -> None:
     torch.set_num_threads(1)  # tp processes on a 2-core machine
     init_tensor_parallel(tp, "cpu", rank=rank, init_method=rdzv)
     try:
-        result = fn(rank, tp, *args)
-        if rank == 0:
-            torch.save(result, out)
+        torch.save(fn(rank, tp, *args), out / f"rank{rank}.pt")
     finally:
         destroy_tensor_parallel()
 
 
-def run_ranks(tp: int, fn: Callable, *args) -> object:
-    """`fn(rank, tp, *args)` on `tp` spawned processes inside one gloo group; rank 0's return value. `fn` must
-    be a module-level function (spawned processes import it)."""
+def run_ranks(tp: int, fn: Callable, *args) -> list:
+    """`fn(rank, tp, *args)` on `tp` spawned processes inside one gloo group; every rank's return value, by
+    rank. `fn` must be a module-level function (spawned processes import it)."""
     with tempfile.TemporaryDirectory() as tmp:
-        rdzv, out = f"file://{Path(tmp) / 'rdzv'}", str(Path(tmp) / "result.pt")
-        mp.spawn(_rank_main, args=(tp, rdzv, out, fn, args), nprocs=tp, join=True)
-        return torch.load(out)
+        out = Path(tmp)
+        mp.spawn(_rank_main, args=(tp, f"file://{out / 'rdzv'}", out, fn, args), nprocs=tp, join=True)
+        return [torch.load(out / f"rank{r}.pt") for r in range(tp)]
