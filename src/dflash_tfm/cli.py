@@ -28,15 +28,24 @@ DELEGATED = {
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from dflash_tfm import SamplingParams
+    from dflash_tfm.parallel.group import destroy_tensor_parallel, is_first_rank
 
     params = SamplingParams(
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_new_tokens=args.max_new_tokens,
         seed=args.seed, stop=args.stop or [],
     )
     engine = engine_from_args(args)
-    print(engine.kernel_path, file=sys.stderr)
     thinking = None if args.reasoning is None else args.reasoning == "on"
-    out = engine.generate(args.prompt, params, chat=args.chat, enable_thinking=thinking)
+    if not is_first_rank():  # under --tp-size N rank 0 leads and prints; the others decode in lockstep
+        engine.follow()
+        destroy_tensor_parallel()
+        return 0
+    print(engine.kernel_path, file=sys.stderr)
+    try:
+        out = engine.generate(args.prompt, params, chat=args.chat, enable_thinking=thinking)
+    finally:
+        engine.release_followers()
+        destroy_tensor_parallel()
     print(out.text)
     s = out.stats
     print(

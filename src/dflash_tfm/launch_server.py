@@ -3,6 +3,9 @@
 Same flags as the original system's launcher (see `dflash_tfm.server.args`). Flag errors and load errors
 (missing checkpoint, impossible settings) print one `error:` line and exit with status 2 before any port is
 opened, so a benchmark waiting on /health fails fast instead of timing out.
+
+At `--tp-size N` (under `torchrun --nproc-per-node N -m dflash_tfm.launch_server ...`) rank 0 serves HTTP and
+the other ranks follow each request its engine runs (`Engine.follow`).
 """
 from __future__ import annotations
 
@@ -23,23 +26,33 @@ def main(argv: list[str] | None = None) -> int:
 
     from dflash_tfm.engine.engine import Engine
     from dflash_tfm.errors import CheckpointError
+    from dflash_tfm.parallel.group import destroy_tensor_parallel, is_first_rank
     from dflash_tfm.server.app import create_app
     from dflash_tfm.server.http_protocol import protocol_with_header_timeout
 
     try:
         engine = Engine(args.model_path, args.speculative, device=args.device, dtype=args.dtype,
                         quantization=args.quantization,
-                        max_model_len=args.max_model_len, use_cuda_graph=not args.disable_cuda_graph)
+                        max_model_len=args.max_model_len, use_cuda_graph=not args.disable_cuda_graph,
+                        tp_size=args.tp_size)
     except (FileNotFoundError, CheckpointError, ValueError, NotImplementedError) as e:
         print(f"launch_server: error: {e}", file=sys.stderr)
         return 2
+    if not is_first_rank():  # at --tp-size N rank 0 serves; the others decode each request with it
+        engine.follow()
+        destroy_tensor_parallel()
+        return 0
     logger.info("%s", engine.kernel_path)
     logger.info("serving %s (max_model_len %d, speculative %s) on http://%s:%d; admitting up to %d requests",
                 engine.model_path.name, engine.max_model_len, args.speculative.algorithm or "off (autoregressive)",
                 args.host, args.port, args.max_admitted_requests)
-    uvicorn.run(create_app(engine, args), host=args.host, port=args.port, log_level=args.log_level,
-                http=protocol_with_header_timeout(args.timeout_read), timeout_keep_alive=args.timeout_keep_alive,
-                timeout_graceful_shutdown=5)
+    try:
+        uvicorn.run(create_app(engine, args), host=args.host, port=args.port, log_level=args.log_level,
+                    http=protocol_with_header_timeout(args.timeout_read), timeout_keep_alive=args.timeout_keep_alive,
+                    timeout_graceful_shutdown=5)
+    finally:
+        engine.release_followers()
+        destroy_tensor_parallel()
     return 0
 
 

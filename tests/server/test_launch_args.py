@@ -96,7 +96,6 @@ DFLASH = ["--speculative-algorithm", "DFLASH", "--speculative-draft-model-path",
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["--tp-size", "2"], "--tp-size 2 is not supported"),
     (["--revision", "main"], "--revision is not supported"),
     (DFLASH + ["--speculative-draft-model-revision", "abc"], "--speculative-draft-model-revision is not supported"),
     (DFLASH + ["--speculative-num-draft-tokens", "8", "--speculative-dflash-block-size", "16"],

@@ -1,5 +1,5 @@
 """The flags that build an `Engine`, shared by `dflash-tfm generate`, the demo's siblings and the server:
-the target (path, dtype, quantization, device, context), CUDA graphs, and the speculative flags of `SpeculativeConfig`."""
+the target (path, dtype, quantization, device, context), CUDA graphs, tensor parallelism, and the speculative flags of `SpeculativeConfig`."""
 from __future__ import annotations
 
 import argparse
@@ -20,6 +20,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="cuda, cuda:1, cpu (default: cuda if available)")
     p.add_argument("--max-model-len", type=int, default=None, help="context length the static caches are sized for")
     p.add_argument("--disable-cuda-graph", action="store_true")
+    p.add_argument("--tp-size", type=int, default=1,
+                   help="tensor parallelism: split the target over N processes, one per GPU (NCCL) or CPU process "
+                        "(gloo); launch with `torchrun --nproc-per-node N -m dflash_tfm.cli generate --tp-size N ...`")
     add_speculative_args(p)
 
 
@@ -29,4 +32,5 @@ def engine_from_args(args: argparse.Namespace) -> Engine:
     from dflash_tfm.engine.engine import Engine
 
     return Engine(args.model_path, speculative_config_from_args(args), device=args.device, dtype=args.dtype,
-                  quantization=args.quantization, max_model_len=args.max_model_len, use_cuda_graph=not args.disable_cuda_graph)
+                  quantization=args.quantization, max_model_len=args.max_model_len, use_cuda_graph=not args.disable_cuda_graph,
+                  tp_size=args.tp_size)

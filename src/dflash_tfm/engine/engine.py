@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import functools
+import random
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -23,6 +24,8 @@ from dflash_tfm.engine.model_runner import ModelRunner
 from dflash_tfm.engine.result import GenerationResult, GenerationStats
 from dflash_tfm.loading.default_model import DEFAULT_BUNDLE
 from dflash_tfm.loading.loader import load_target, parse_dtype
+from dflash_tfm.parallel.group import broadcast_object, init_tensor_parallel, tp_rank, tp_size as group_size
+from dflash_tfm.parallel.sharding import Shard
 from dflash_tfm.sampling import make_generator
 from dflash_tfm.sampling_params import SamplingParams
 from dflash_tfm.speculative_config import SpeculativeConfig
@@ -54,6 +57,7 @@ class Engine:
         max_model_len: int | None = None,
         use_cuda_graph: bool = True,
         progress: bool = True,
+        tp_size: int = 1,
     ) -> None:
         """model_path None = the embedded SmolLM2-135M-Instruct; then a speculative config without checkpoint
         paths uses the bundle trained for it (loading.default_model.DEFAULT_BUNDLE).
@@ -61,11 +65,15 @@ class Engine:
         quantization "fp8" holds a BF16 checkpoint's projections in FP8 (loading/fp8_layout.py); FP8 checkpoints
         load as FP8 either way.
         max_model_len defaults to min(the model's context, 32768) and sizes the static caches.
-        `self.speculative` is the config as run: checkpoint paths filled in, block_size the drafter's own."""
+        `self.speculative` is the config as run: checkpoint paths filled in, block_size the drafter's own.
+        tp_size > 1 splits the target over that many processes (`parallel/`), each of which builds this Engine
+        (started by torchrun): the drafter and Weaver are replicated, so every rank builds the same tree and
+        accepts the same tokens, and only the target's projections communicate."""
         speculative = (speculative or SpeculativeConfig()).with_checkpoints(DEFAULT_BUNDLE if model_path is None else None)
         self.device = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' requested but CUDA is not available")
+        self.device = init_tensor_parallel(tp_size, self.device.type) if tp_size > 1 else self.device
         if self.device.type == "cuda" and self.device.index is not None:
             torch.cuda.set_device(self.device)  # events, streams and graph captures act on the current device
         if dtype == "auto":
@@ -73,7 +81,7 @@ class Engine:
         self.dtype = parse_dtype(dtype)
         # RoPE tables only need the positions the caches can hold (not e.g. Qwen3.6's 262144).
         loaded = load_target(model_path, self.device, self.dtype, max_positions=max_model_len or DEFAULT_MAX_MODEL_LEN,
-                             progress=progress, quantization=quantization)
+                             progress=progress, quantization=quantization, shard=Shard(tp_rank(), tp_size))
         self.config, self.tokenizer, self.model_path = loaded.config, loaded.tokenizer, loaded.source_path
         limit = min(self.config.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
         self.max_model_len = int(max_model_len or limit)
@@ -156,7 +164,11 @@ class Engine:
         self, prompt: Prompt, params: SamplingParams | None = None, *, chat: bool = False,
         enable_thinking: bool | None = None,
     ) -> Iterator[StreamDelta]:
-        """Generate incrementally. Closing the iterator early (client gone) stops decoding at once."""
+        """Generate incrementally. Closing the iterator early (client gone) stops decoding at once.
+
+        At tp > 1 only rank 0 calls this: it sends each request to the other ranks, which decode it in lockstep
+        (`follow`), and a stream closed early still decodes to its natural end, silently, so that every rank
+        runs the same steps and their collectives stay matched."""
         params = params or SamplingParams()
         params.validate()
         prompt_ids = self.encode_prompt(prompt, chat, enable_thinking)
@@ -167,6 +179,35 @@ class Engine:
                 f"prompt has {len(prompt_ids)} tokens but the context is {self.max_model_len} tokens "
                 "(max_model_len); shorten the prompt"
             )
+        lockstep = group_size() > 1
+        if lockstep:
+            if not params.greedy and params.seed is None:  # every rank must draw the same tokens
+                params = replace(params, seed=random.randrange(2**63))
+            broadcast_object((prompt_ids, params))
+        deltas = self._decode(prompt_ids, params)
+        try:
+            for delta in deltas:
+                yield delta
+        finally:
+            if lockstep:
+                for _ in deltas:
+                    pass
+            deltas.close()
+
+    def follow(self) -> None:
+        """Every rank but 0 at tp > 1: decode each request rank 0 streams, in lockstep with it, until rank 0
+        calls `release_followers`."""
+        while (request := broadcast_object(None)) is not None:
+            for _ in self._decode(*request):
+                pass
+
+    def release_followers(self) -> None:
+        """Rank 0: end the other ranks' `follow` (nothing at tp 1)."""
+        if group_size() > 1:
+            broadcast_object(None)
+
+    def _decode(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[StreamDelta]:
+        """The decode loop of one admitted request: prefill, then steps until a stop or the token budget."""
         budget = min(params.max_new_tokens, self.max_model_len - len(prompt_ids))
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
         stats = GenerationStats(prompt_tokens=len(prompt_ids))

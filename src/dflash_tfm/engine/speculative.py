@@ -33,6 +33,7 @@ from dflash_tfm.engine.model_runner import ModelRunner
 from dflash_tfm.engine.phase_graphs import PhaseGraphs
 from dflash_tfm.engine.phase_timer import PhaseTimer
 from dflash_tfm.layers.linear import skinny_projections
+from dflash_tfm.parallel.group import broadcast_object
 from dflash_tfm.sampling import sample
 from dflash_tfm.sampling_params import SamplingParams
 from dflash_tfm.spec.acceptance_estimate import expected_accepted_by_size
@@ -224,6 +225,8 @@ class SpeculativeDecoder:
         times = {size: self._run_at_size(size, prompt_ids, SamplingParams(), warmup, steps) for size in self._sizes}
         self._timed_draft(self.length)  # what one probe costs: a draft, timed alone
         draft = self.timer.collect().get("draft", 0.0)
+        # Tensor-parallel ranks decide with rank 0's times, so they choose the same sizes and their collectives meet.
+        times, draft = broadcast_object((times, draft))
         self.budget = BudgetController(self._sizes, times, draft_seconds=draft)
         return times
 

@@ -19,6 +19,7 @@ from gguf.quants import dequantize
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from dflash_tfm.errors import CheckpointError, CheckpointNotFoundError
+from dflash_tfm.parallel.sharding import Part
 
 # GGUF `general.architecture` -> (HF model_type, HF architectures class). Only dense decoder-only models
 # whose tensors map one-to-one onto HF names are supported.
@@ -183,8 +184,11 @@ class GGUFCheckpoint:
         """The GGUF storage type's name (Q4_1, F32, ...)."""
         return self._tensor(name).tensor_type.name
 
-    def load_tensor(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """Dequantize one tensor to `dtype` in HF layout (q/k rows un-permuted for llama)."""
+    def load_tensor(self, name: str, dtype: torch.dtype = torch.float32, part: Part | None = None) -> torch.Tensor:
+        """Dequantize one tensor to `dtype` in HF layout (q/k rows un-permuted for llama). GGUF targets load at
+        tensor-parallel size 1 only (`part` must be None)."""
+        if part is not None:
+            raise NotImplementedError(f"{self.path}: GGUF targets run at --tp-size 1 only; use a safetensors directory")
         tensor = self._tensor(name)
         try:
             values = dequantize(tensor.data, tensor.tensor_type)

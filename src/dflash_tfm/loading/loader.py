@@ -28,13 +28,14 @@ from dflash_tfm.loading.quantization import FP8, check_quantization_flag, checkp
 from dflash_tfm.loading.safetensors_dir import SafetensorsDir
 from dflash_tfm.loading.weight_map import IGNORED, expected_tensors
 from dflash_tfm.models.decoder import CausalLM
+from dflash_tfm.parallel.sharding import Part, Shard
 
 
 class CheckpointSource(Protocol):
     def tensor_names(self) -> list[str]: ...
     def tensor_shape(self, name: str) -> tuple[int, ...]: ...
     def tensor_dtype(self, name: str) -> str: ...
-    def load_tensor(self, name: str, dtype: torch.dtype | None) -> torch.Tensor: ...
+    def load_tensor(self, name: str, dtype: torch.dtype | None, part: Part | None = None) -> torch.Tensor: ...
 
 
 @dataclass
@@ -112,15 +113,17 @@ def check_checkpoint(source: CheckpointSource, cfg: ModelConfig, quantization: s
 
 
 def load_weights(model: CausalLM, source: CheckpointSource, cfg: ModelConfig, progress: bool = True,
-                 stored_quantization: str | None = None, quantization: str | None = None) -> None:
-    """Stream every expected tensor from `source` into the model's (fused) parameters.
+                 stored_quantization: str | None = None, quantization: str | None = None,
+                 shard: Shard = Shard()) -> None:
+    """Stream every expected tensor from `source` into the model's (fused) parameters; at tensor-parallel size
+    > 1 only this rank's slice of each (`shard`).
 
     `stored_quantization` is what config.json declares (`quantization.checkpoint_quantization`); with
     `quantization` "fp8" the BF16 projections are quantized at load. Projections still on the meta device
     (`deferred_projection_weights`) are allocated here, in FP8 where the checkpoint or the flag makes them FP8."""
     check_checkpoint(source, cfg, stored_quantization)
     names = set(source.tensor_names())
-    specs = expected_tensors(cfg, names)
+    specs = expected_tensors(cfg, names, shard)
     device, dtype = model.embed_tokens.device, model.embed_tokens.dtype
     stored = stored_fp8(names) & set(specs)
     projections = {n for n, p in model.named_parameters() if p.is_meta}
@@ -132,7 +135,7 @@ def load_weights(model: CausalLM, source: CheckpointSource, cfg: ModelConfig, pr
     for name in tqdm(list(specs), desc="loading weights", unit="tensor", disable=not progress, leave=False):
         spec = specs[name]
         with torch.no_grad():
-            weight, scales = _read(source, name, name in stored, name in held_fp8, device, dtype)
+            weight, scales = _read(source, name, spec.part, name in stored, name in held_fp8, device, dtype)
             pieces = spec.assign(weight)
             scale_pieces = [None] * len(pieces) if scales is None else [p for _, _, p in spec.assign(scales)]
             for (param_name, row, piece), scale in zip(pieces, scale_pieces):
@@ -143,8 +146,8 @@ def load_weights(model: CausalLM, source: CheckpointSource, cfg: ModelConfig, pr
                 target[row : row + piece.shape[0]].copy_(piece.to(target.dtype))
 
 
-def _read(source: CheckpointSource, name: str, stored_fp8: bool, held_fp8: bool, device: torch.device,
-          dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _read(source: CheckpointSource, name: str, part: Part | None, stored_fp8: bool, held_fp8: bool,
+          device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One checkpoint tensor as it will be held: (FP8 weight, per-row scales) or (`dtype` weight, None). An FP8
     tensor held densely is dequantized; a dense one held in FP8 is quantized in 128 x 128 blocks (on `device`)."""
     if stored_fp8:
@@ -152,7 +155,7 @@ def _read(source: CheckpointSource, name: str, stored_fp8: bool, held_fp8: bool,
         scales = expand_block_scales(source.load_tensor(scale_name(name), torch.float32), weight.shape[-2])
         return (weight, scales) if held_fp8 else (dequantize_rows(weight, scales, dtype), None)
     if not held_fp8:
-        return source.load_tensor(name, dtype), None
+        return source.load_tensor(name, dtype, part), None
     weight, block_scales = quantize_blocks(source.load_tensor(name, torch.float32).to(device))
     return weight, expand_block_scales(block_scales, weight.shape[-2])
 
@@ -168,37 +171,43 @@ def _as_rows(t: torch.Tensor) -> torch.Tensor:
     return t.flatten(0, -2) if t.dim() > 2 else t
 
 
-def build_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, max_positions: int) -> CausalLM:
-    """Allocate the model's parameters (uninitialised) directly on `device` in `dtype`."""
+def build_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, max_positions: int,
+                tp_size: int = 1) -> CausalLM:
+    """Allocate the model's parameters (uninitialised) directly on `device` in `dtype`: one rank's slice at
+    tensor-parallel size `tp_size`."""
     with torch.device(device), default_dtype(dtype):
-        model = CausalLM(cfg, max_positions)
+        model = CausalLM(cfg, max_positions, tp_size)
     return model.eval().requires_grad_(False)
 
 
 def load_target(
     path: str | Path | None, device: torch.device, dtype: torch.dtype, max_positions: int | None = None,
-    progress: bool = True, quantization: str | None = None,
+    progress: bool = True, quantization: str | None = None, shard: Shard = Shard(),
 ) -> LoadedTarget:
     """Load config, tokenizer and weights of a local target checkpoint; `quantization` "fp8" holds its BF16
-    projections in FP8 (`fp8_layout.py` says which)."""
+    projections in FP8 (`fp8_layout.py` says which); `shard` the tensor-parallel rank whose slice is loaded."""
     source, raw_config, resolved = open_checkpoint(path)
-    model, cfg = load_model(source, raw_config, device, dtype, max_positions, progress, quantization)
+    model, cfg = load_model(source, raw_config, device, dtype, max_positions, progress, quantization, shard)
     return LoadedTarget(model, cfg, load_tokenizer(source, resolved), resolved)
 
 
 def load_model(
     source: CheckpointSource, raw_config: dict, device: torch.device, dtype: torch.dtype,
     max_positions: int | None = None, progress: bool = True, quantization: str | None = None,
+    shard: Shard = Shard(),
 ) -> tuple[CausalLM, ModelConfig]:
     """The target model of an opened checkpoint, weights loaded: the config's quantization (None or FP8) and the
-    `quantization` flag checked first, projections allocated in the format they are held in."""
+    `quantization` flag checked first, projections allocated in the format they are held in. At tensor-parallel
+    size > 1 (`shard`) only BF16 / FP16 / FP32 safetensors load: FP8 block scales are not sliced yet."""
     quantization = check_quantization_flag(quantization)
     stored_quantization = checkpoint_quantization(raw_config)
+    if shard.size > 1 and (quantization or stored_quantization):
+        raise NotImplementedError(f"--tp-size {shard.size} does not support FP8 targets yet; use --tp-size 1")
     cfg = ModelConfig.from_dict(raw_config)
     with deferred_projection_weights():
-        model = build_model(cfg, device, dtype, max_positions or cfg.max_position_embeddings)
+        model = build_model(cfg, device, dtype, max_positions or cfg.max_position_embeddings, shard.size)
     load_weights(model, source, cfg, progress=progress, stored_quantization=stored_quantization,
-                 quantization=quantization)
+                 quantization=quantization, shard=shard)
     return model, cfg
 
 

@@ -12,6 +12,7 @@ import torch
 from safetensors import safe_open
 
 from dflash_tfm.errors import CheckpointError
+from dflash_tfm.parallel.sharding import Part
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -67,10 +68,17 @@ class SafetensorsDir:
         """The stored dtype's safetensors name (BF16, F8_E4M3, ...), read from the header."""
         return self._handle(name).get_slice(name).get_dtype()
 
-    def load_tensor(self, name: str, dtype: torch.dtype | None) -> torch.Tensor:
-        """One tensor converted to `dtype` (None: as stored, e.g. FP8 weights)."""
+    def load_tensor(self, name: str, dtype: torch.dtype | None, part: Part | None = None) -> torch.Tensor:
+        """One tensor converted to `dtype` (None: as stored, e.g. FP8 weights). With `part` (a tensor-parallel
+        rank's slice, `parallel/sharding.py`) only those ranges are read from the file, concatenated."""
         try:
-            tensor = self._handle(name).get_tensor(name)
+            if part is None:
+                tensor = self._handle(name).get_tensor(name)
+            else:
+                dim, ranges = part
+                view = self._handle(name).get_slice(name)
+                lead = (slice(None),) * (dim % len(view.get_shape()))
+                tensor = torch.cat([view[(*lead, slice(start, start + n))] for start, n in ranges], dim=dim)
             return tensor if dtype is None else tensor.to(dtype)
         except Exception as e:
             raise CheckpointError(f"cannot read tensor {name!r} from {self._file_of[name]}: {e}") from None

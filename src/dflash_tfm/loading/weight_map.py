@@ -7,6 +7,9 @@ router, shared-expert gate and shared gate / up go into one `in_proj`, and its e
 either layout they are stored in: fused (`mlp.experts.gate_up_proj` [E, 2I, H], `mlp.experts.down_proj`
 [E, H, I], as transformers holds them) or one tensor per expert (`mlp.experts.{e}.{gate,up,down}_proj.weight`,
 as transformers saves them and Qwen3-Next was released).
+
+At tensor-parallel size > 1 each spec also says which rows or columns of its tensor this rank reads (`part`,
+`parallel/sharding.py`), and `assign` places that slice at the offsets of the rank's smaller parameters.
 """
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ from typing import Callable, Collection
 import torch
 
 from dflash_tfm.config import FULL_ATTENTION, ModelConfig
+from dflash_tfm.parallel.sharding import Part, Shard, shard_config
 
 # (our parameter name, first row in it, the rows to write there); a parameter with more than two dims counts
 # rows over all but its last dim ([E, 2I, H]: E · 2I rows of H), as do the rows written.
@@ -29,20 +33,22 @@ IGNORED = re.compile(r"^(model\.visual\.|visual\.|mtp\.|model\.mtp\.)|rotary_emb
 
 @dataclass(frozen=True)
 class TensorSpec:
-    """One expected checkpoint tensor: its shape and how to split it into our parameters."""
+    """One expected checkpoint tensor: its shape, the slice this rank reads (None: all of it) and how to split
+    what is read into our parameters."""
 
     shape: tuple[int, ...]
     assign: Callable[[torch.Tensor], list[Piece]]
+    part: Part | None = None
 
 
 def _to(param: str, row: int = 0) -> Callable[[torch.Tensor], list[Piece]]:
     return lambda t: [(param, row, t)]
 
 
-def expected_tensors(cfg: ModelConfig, stored: Collection[str] = ()) -> dict[str, TensorSpec]:
+def expected_tensors(cfg: ModelConfig, stored: Collection[str] = (), shard: Shard = Shard()) -> dict[str, TensorSpec]:
     """Map of checkpoint tensor name -> spec for every tensor the model needs. `stored` (the checkpoint's tensor
     names) picks each mixture-of-experts layer's expert layout: fused when it holds that layer's fused tensors,
-    else one tensor per expert."""
+    else one tensor per expert. `shard` is this rank's place among the tensor-parallel ranks."""
     H, p = cfg.hidden_size, cfg.weight_prefix
     specs: dict[str, TensorSpec] = {
         f"{p}embed_tokens.weight": TensorSpec((cfg.vocab_size, H), _to("embed_tokens")),
@@ -55,28 +61,35 @@ def expected_tensors(cfg: ModelConfig, stored: Collection[str] = ()) -> dict[str
         specs[f"{src}input_layernorm.weight"] = TensorSpec((H,), _to(f"{dst}input_norm.weight"))
         specs[f"{src}post_attention_layernorm.weight"] = TensorSpec((H,), _to(f"{dst}post_norm.weight"))
         if i in cfg.moe_layers:
-            specs.update(_moe_specs(cfg, src + "mlp.", dst + "mlp.", stored))
+            specs.update(_moe_specs(cfg, src + "mlp.", dst + "mlp.", stored, shard))
         else:
             I = cfg.intermediate_size
-            specs[f"{src}mlp.gate_proj.weight"] = TensorSpec((I, H), _to(f"{dst}mlp.gate_up", 0))
-            specs[f"{src}mlp.up_proj.weight"] = TensorSpec((I, H), _to(f"{dst}mlp.gate_up", I))
-            specs[f"{src}mlp.down_proj.weight"] = TensorSpec((H, I), _to(f"{dst}mlp.down"))
+            rows, cols = shard.part(0, shard.block(I)), shard.part(1, shard.block(I))
+            local = I // shard.size
+            specs[f"{src}mlp.gate_proj.weight"] = TensorSpec((I, H), _to(f"{dst}mlp.gate_up", 0), rows)
+            specs[f"{src}mlp.up_proj.weight"] = TensorSpec((I, H), _to(f"{dst}mlp.gate_up", local), rows)
+            specs[f"{src}mlp.down_proj.weight"] = TensorSpec((H, I), _to(f"{dst}mlp.down"), cols)
         if layer_type == FULL_ATTENTION:
-            specs.update(_attention_specs(cfg, src + "self_attn.", dst + "mixer."))
+            specs.update(_attention_specs(cfg, src + "self_attn.", dst + "mixer.", shard))
         else:
-            specs.update(_gdn_specs(cfg, src + "linear_attn.", dst + "mixer."))
+            specs.update(_gdn_specs(cfg, src + "linear_attn.", dst + "mixer.", shard))
     return specs
 
 
-def _attention_specs(cfg: ModelConfig, src: str, dst: str) -> dict[str, TensorSpec]:
+def _attention_specs(cfg: ModelConfig, src: str, dst: str, shard: Shard) -> dict[str, TensorSpec]:
     H, D = cfg.hidden_size, cfg.head_dim
-    q_rows = cfg.num_heads * D * (2 if cfg.attn_output_gate else 1)
-    kv_rows = cfg.num_kv_heads * D
+    q_head = D * (2 if cfg.attn_output_gate else 1)  # a gated head's q rows are [query | gate]
+    q_rows, kv_rows = cfg.num_heads * q_head, cfg.num_kv_heads * D
+    local = shard_config(cfg, shard.size)
+    local_q, local_kv = local.num_heads * q_head, local.num_kv_heads * D
+    kv_part = shard.part(0, shard.kv_block(cfg.num_kv_heads, D))
     specs = {
-        f"{src}q_proj.weight": TensorSpec((q_rows, H), _to(f"{dst}qkv_proj", 0)),
-        f"{src}k_proj.weight": TensorSpec((kv_rows, H), _to(f"{dst}qkv_proj", q_rows)),
-        f"{src}v_proj.weight": TensorSpec((kv_rows, H), _to(f"{dst}qkv_proj", q_rows + kv_rows)),
-        f"{src}o_proj.weight": TensorSpec((H, cfg.num_heads * D), _to(f"{dst}o_proj")),
+        f"{src}q_proj.weight": TensorSpec((q_rows, H), _to(f"{dst}qkv_proj", 0),
+                                          shard.part(0, shard.block(cfg.num_heads, q_head))),
+        f"{src}k_proj.weight": TensorSpec((kv_rows, H), _to(f"{dst}qkv_proj", local_q), kv_part),
+        f"{src}v_proj.weight": TensorSpec((kv_rows, H), _to(f"{dst}qkv_proj", local_q + local_kv), kv_part),
+        f"{src}o_proj.weight": TensorSpec((H, cfg.num_heads * D), _to(f"{dst}o_proj"),
+                                          shard.part(1, shard.block(cfg.num_heads, D))),
     }
     if cfg.qk_norm:
         specs[f"{src}q_norm.weight"] = TensorSpec((D,), _to(f"{dst}q_norm.weight"))
@@ -84,49 +97,67 @@ def _attention_specs(cfg: ModelConfig, src: str, dst: str) -> dict[str, TensorSp
     return specs
 
 
-def _moe_specs(cfg: ModelConfig, src: str, dst: str, stored: Collection[str]) -> dict[str, TensorSpec]:
+def _moe_specs(cfg: ModelConfig, src: str, dst: str, stored: Collection[str], shard: Shard) -> dict[str, TensorSpec]:
+    """The router and the shared expert's gate are replicated; the shared expert and every routed expert are
+    split along their intermediate width."""
     H, E = cfg.hidden_size, cfg.num_experts
     I, S = cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
+    Il, Sl = I // shard.size, S // shard.size
     in_proj, gate_up, down = f"{dst}in_proj", f"{dst}experts_gate_up", f"{dst}experts_down"
+    shared_rows, shared_cols = shard.part(0, shard.block(S)), shard.part(1, shard.block(S))
     specs = {  # in_proj rows: router (E), shared-expert gate (1), shared gate (S), shared up (S)
         f"{src}gate.weight": TensorSpec((E, H), _to(in_proj, 0)),
         f"{src}shared_expert_gate.weight": TensorSpec((1, H), _to(in_proj, E)),
-        f"{src}shared_expert.gate_proj.weight": TensorSpec((S, H), _to(in_proj, E + 1)),
-        f"{src}shared_expert.up_proj.weight": TensorSpec((S, H), _to(in_proj, E + 1 + S)),
-        f"{src}shared_expert.down_proj.weight": TensorSpec((H, S), _to(f"{dst}shared_down")),
+        f"{src}shared_expert.gate_proj.weight": TensorSpec((S, H), _to(in_proj, E + 1), shared_rows),
+        f"{src}shared_expert.up_proj.weight": TensorSpec((S, H), _to(in_proj, E + 1 + Sl), shared_rows),
+        f"{src}shared_expert.down_proj.weight": TensorSpec((H, S), _to(f"{dst}shared_down"), shared_cols),
     }
     if f"{src}experts.gate_up_proj" in stored or f"{src}experts.down_proj" in stored:
-        specs[f"{src}experts.gate_up_proj"] = TensorSpec((E, 2 * I, H), _to(gate_up))
-        specs[f"{src}experts.down_proj"] = TensorSpec((E, H, I), _to(down))
+        specs[f"{src}experts.gate_up_proj"] = TensorSpec(
+            (E, 2 * I, H), _to(gate_up), shard.part(1, shard.block(I), shard.block(I, offset=I)))
+        specs[f"{src}experts.down_proj"] = TensorSpec((E, H, I), _to(down), shard.part(2, shard.block(I)))
         return specs
+    rows, cols = shard.part(0, shard.block(I)), shard.part(1, shard.block(I))
     for e in range(E):
-        specs[f"{src}experts.{e}.gate_proj.weight"] = TensorSpec((I, H), _to(gate_up, 2 * I * e))
-        specs[f"{src}experts.{e}.up_proj.weight"] = TensorSpec((I, H), _to(gate_up, 2 * I * e + I))
-        specs[f"{src}experts.{e}.down_proj.weight"] = TensorSpec((H, I), _to(down, H * e))
+        specs[f"{src}experts.{e}.gate_proj.weight"] = TensorSpec((I, H), _to(gate_up, 2 * Il * e), rows)
+        specs[f"{src}experts.{e}.up_proj.weight"] = TensorSpec((I, H), _to(gate_up, 2 * Il * e + Il), rows)
+        specs[f"{src}experts.{e}.down_proj.weight"] = TensorSpec((H, I), _to(down, H * e), cols)
     return specs
 
 
-def _gdn_specs(cfg: ModelConfig, src: str, dst: str) -> dict[str, TensorSpec]:
-    H, hv = cfg.hidden_size, cfg.linear_num_value_heads
+def _gdn_specs(cfg: ModelConfig, src: str, dst: str, shard: Shard) -> dict[str, TensorSpec]:
+    """Key and value heads are split across ranks: a rank reads its heads' q, k and v rows of the fused qkv
+    projection and conv (three ranges, which land in the rank's own [q | k | v] order), its heads' z, b, a rows,
+    decays and biases, and its value heads' columns of out_proj. The gated norm's weight is per channel of a
+    head, so replicated."""
+    H, hk, hv = cfg.hidden_size, cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    dk, dv, kd = cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.gdn_key_dim
     conv, vdim = cfg.gdn_conv_dim, cfg.gdn_value_dim
+    local = shard_config(cfg, shard.size)
+    lconv, lvdim, lhv = local.gdn_conv_dim, local.gdn_value_dim, local.linear_num_value_heads
     in_proj = f"{dst}in_proj"
+    qkv = (shard.block(hk, dk), shard.block(hk, dk, kd), shard.block(hv, dv, 2 * kd))
+    heads = shard.part(0, shard.block(hv))
     specs = {
         f"{src}conv1d.weight": TensorSpec(
-            (conv, 1, cfg.linear_conv_kernel_dim), lambda t: [(f"{dst}conv_weight", 0, t.squeeze(1))]
-        ),
-        f"{src}A_log": TensorSpec((hv,), _to(f"{dst}A_log")),
-        f"{src}dt_bias": TensorSpec((hv,), _to(f"{dst}dt_bias")),
+            (conv, 1, cfg.linear_conv_kernel_dim), lambda t: [(f"{dst}conv_weight", 0, t.squeeze(1))],
+            shard.part(0, *qkv)),
+        f"{src}A_log": TensorSpec((hv,), _to(f"{dst}A_log"), heads),
+        f"{src}dt_bias": TensorSpec((hv,), _to(f"{dst}dt_bias"), heads),
         f"{src}norm.weight": TensorSpec((cfg.linear_value_head_dim,), _to(f"{dst}norm_weight")),
-        f"{src}out_proj.weight": TensorSpec((H, vdim), _to(f"{dst}out_proj")),
+        f"{src}out_proj.weight": TensorSpec((H, vdim), _to(f"{dst}out_proj"), shard.part(1, shard.block(hv, dv))),
     }
-    if cfg.fused_gdn_projections:
-        specs[f"{src}in_proj_qkvz.weight"] = TensorSpec((conv + vdim, H), lambda t: _split_qkvz(cfg, in_proj, t))
-        specs[f"{src}in_proj_ba.weight"] = TensorSpec((2 * hv, H), lambda t: _split_ba(cfg, in_proj, t))
+    if cfg.fused_gdn_projections:  # grouped per key head: a rank's key heads are one block of rows
+        group = 2 * dk + 2 * (hv // hk) * dv
+        specs[f"{src}in_proj_qkvz.weight"] = TensorSpec(
+            (conv + vdim, H), lambda t: _split_qkvz(local, in_proj, t), shard.part(0, shard.block(hk, group)))
+        specs[f"{src}in_proj_ba.weight"] = TensorSpec(
+            (2 * hv, H), lambda t: _split_ba(local, in_proj, t), shard.part(0, shard.block(hk, 2 * (hv // hk))))
     else:
-        specs[f"{src}in_proj_qkv.weight"] = TensorSpec((conv, H), _to(in_proj, 0))
-        specs[f"{src}in_proj_z.weight"] = TensorSpec((vdim, H), _to(in_proj, conv))
-        specs[f"{src}in_proj_b.weight"] = TensorSpec((hv, H), _to(in_proj, conv + vdim))
-        specs[f"{src}in_proj_a.weight"] = TensorSpec((hv, H), _to(in_proj, conv + vdim + hv))
+        specs[f"{src}in_proj_qkv.weight"] = TensorSpec((conv, H), _to(in_proj, 0), shard.part(0, *qkv))
+        specs[f"{src}in_proj_z.weight"] = TensorSpec((vdim, H), _to(in_proj, lconv), shard.part(0, shard.block(hv, dv)))
+        specs[f"{src}in_proj_b.weight"] = TensorSpec((hv, H), _to(in_proj, lconv + lvdim), heads)
+        specs[f"{src}in_proj_a.weight"] = TensorSpec((hv, H), _to(in_proj, lconv + lvdim + lhv), heads)
     return specs
 
 

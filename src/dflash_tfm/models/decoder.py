@@ -5,6 +5,10 @@ One class serves every supported architecture; each layer's mixer is softmax att
 mixture of experts (per token, so a tree verify runs it on its nodes as on any rows). The model owns no cache:
 callers pass a `ModelCache` (models/cache.py), which the engine allocates once so it can keep static buffers and
 CUDA graphs.
+
+At tensor-parallel size > 1 the model is one rank's slice (`parallel/sharding.py`): its layers are built from the
+rank's config, so each mixer and feed-forward returns a partial sum of the row-parallel output projection, and
+the one all-reduce per block that completes it sits here, where those outputs meet the residual stream.
 """
 from __future__ import annotations
 
@@ -26,6 +30,8 @@ from dflash_tfm.layers.moe import SparseMoE
 from dflash_tfm.layers.norm import RMSNorm
 from dflash_tfm.layers.rotary import RotaryEmbedding
 from dflash_tfm.models.cache import ModelCache
+from dflash_tfm.parallel.group import all_reduce
+from dflash_tfm.parallel.sharding import shard_config
 from dflash_tfm.tree import TreeSpec
 
 
@@ -57,17 +63,18 @@ class DecoderLayer(nn.Module):
         router, shared expert and experts all read."""
         if isinstance(self.mlp, SparseMoE):
             h, x = self.post_norm.add_forward(h, delta)
-            return h, self.mlp(x)
+            return h, all_reduce(self.mlp(x))
         h, gate_up = add_norm_linear(h, delta, self.post_norm, self.mlp.gate_up)
-        return h, linear(silu_and_mul(gate_up), self.mlp.down)
+        return h, all_reduce(linear(silu_and_mul(gate_up), self.mlp.down))
 
 
 class CausalLM(nn.Module):
-    """Target model for inference. Parameters are created empty; `loading.load_weights` fills them."""
+    """Target model for inference. Parameters are created empty; `loading.load_weights` fills them. At
+    tensor-parallel size `tp_size` it holds one rank's slice and `config` is that rank's (`shard_config`)."""
 
-    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+    def __init__(self, cfg: ModelConfig, max_positions: int, tp_size: int = 1) -> None:
         super().__init__()
-        self.config = cfg
+        cfg = self.config = shard_config(cfg, tp_size)
         self.embed_tokens = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_plus_one)
@@ -95,9 +102,9 @@ class CausalLM(nn.Module):
         def mixer(i: int, layer: DecoderLayer, proj: torch.Tensor) -> torch.Tensor:
             if layer.is_attention:
                 k_cache, v_cache = cache.attention[i]
-                return layer.mixer(proj, positions, self.rope, k_cache, v_cache, kv_len)
+                return all_reduce(layer.mixer(proj, positions, self.rope, k_cache, v_cache, kv_len))
             state, window = cache.gdn[i]
-            return layer.mixer(proj, state, window)
+            return all_reduce(layer.mixer(proj, state, window))
 
         return self._run_layers(F.embedding(input_ids, self.embed_tokens), mixer, tap_layers)
 
@@ -142,7 +149,7 @@ class CausalLM(nn.Module):
                 state, window = cache.gdn[i]
                 out, saved.layers[i] = layer.mixer.verify(proj, state, window, tree, gdn_kernel,
                                                    keep=None if stacks is None else stacks.layer(i))
-            return out
+            return all_reduce(out)
 
         hidden, taps = self._run_layers(F.embedding(tree.tokens, self.embed_tokens), mixer, tap_layers)
         return hidden, taps, saved

@@ -3,7 +3,7 @@
 Flags of the original that mean nothing for a batch-1 single-GPU engine (paging, radix cache, attention
 backends, overlap schedule, ...) are accepted so published launch commands run unchanged, and each one the
 user gave is reported by `log_start_warnings` — never silently reinterpreted. Combinations that cannot work
-(tensor parallelism, a hub revision, speculative flags without an algorithm, ...) fail at start with one
+(a hub revision, speculative flags without an algorithm, ...) fail at start with one
 clear message instead of surfacing later as a wrong configuration.
 """
 from __future__ import annotations
@@ -62,6 +62,7 @@ class ServerArgs:
     device: str | None = None
     max_model_len: int | None = None
     disable_cuda_graph: bool = False
+    tp_size: int = 1
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     host: str = DEFAULT_HOST
     port: int = DEFAULT_PORT
@@ -98,7 +99,6 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(p)
     p.add_argument("--revision", default=None, help="rejected: weights are local paths only (no hub downloads)")
     p.add_argument("--speculative-draft-model-revision", default=None, help="rejected: local paths only")
-    p.add_argument("--tp-size", type=int, default=1, help="tensor parallelism: only 1 is supported (one GPU)")
     p.add_argument("--max-running-requests", type=int, default=None,
                    help="requests decoded at once; the engine runs 1, so this sizes admission: "
                         f"{QUEUE_PER_RUNNING_SLOT} x N requests may be admitted (running + waiting)")
@@ -137,8 +137,6 @@ def build_parser() -> argparse.ArgumentParser:
 def server_args_from_namespace(ns: argparse.Namespace, environ: dict[str, str] | None = None) -> ServerArgs:
     """Check a parsed namespace and resolve defaults; raises ServerArgsError naming the offending flags."""
     environ = os.environ if environ is None else environ
-    if ns.tp_size != 1:
-        raise ServerArgsError(f"--tp-size {ns.tp_size} is not supported: the engine runs on one GPU (use --tp-size 1)")
     for dest in ("revision", "speculative_draft_model_revision"):
         if getattr(ns, dest) is not None:
             raise ServerArgsError(
@@ -182,7 +180,7 @@ def server_args_from_namespace(ns: argparse.Namespace, environ: dict[str, str] |
         admitted = DEFAULT_MAX_ADMITTED
     return ServerArgs(
         model_path=ns.model_path, dtype=ns.dtype, quantization=ns.quantization, device=ns.device, max_model_len=ns.max_model_len,
-        disable_cuda_graph=ns.disable_cuda_graph, speculative=spec, host=ns.host, port=ns.port,
+        disable_cuda_graph=ns.disable_cuda_graph, tp_size=ns.tp_size, speculative=spec, host=ns.host, port=ns.port,
         served_model_name=ns.served_model_name, max_admitted_requests=admitted, api_key=api_key,
         allowed_hosts=allowed, max_request_bytes=ns.max_request_bytes, timeout_read=ns.timeout_read,
         timeout_keep_alive=ns.timeout_keep_alive, log_level=ns.log_level, not_applicable=not_applicable,

@@ -1,0 +1,37 @@
+"""How a config splits across ranks: the rank's head counts and widths, and the refusals that name the field a
+--tp-size does not divide."""
+from __future__ import annotations
+
+import pytest
+
+from dflash_tfm.config import ModelConfig
+from dflash_tfm.parallel.sharding import Shard, shard_config
+
+from ..models.tiny_targets import build_hf_model
+
+
+def config(arch: str) -> ModelConfig:
+    return ModelConfig.from_dict(build_hf_model(arch).config.to_dict())
+
+
+def test_rank_config_divides_heads_and_widths() -> None:
+    local = shard_config(config("qwen3_5_moe_text"), 2)
+    assert (local.num_heads, local.num_kv_heads) == (2, 1)
+    assert (local.linear_num_key_heads, local.linear_num_value_heads) == (1, 3)
+    assert (local.moe_intermediate_size, local.shared_expert_intermediate_size) == (16, 24)
+    assert local.hidden_size == 64 and local.vocab_size == 160 and local.num_experts == 8
+
+
+def test_fewer_kv_heads_than_ranks_are_replicated() -> None:
+    """4 query heads and 2 KV heads over 4 ranks: ranks 0, 1 read KV head 0, ranks 2, 3 KV head 1."""
+    assert shard_config(config("llama"), 4).num_kv_heads == 1
+    assert [Shard(r, 4).kv_block(2, 16) for r in range(4)] == [(0, 16), (0, 16), (16, 16), (16, 16)]
+
+
+@pytest.mark.parametrize("arch, tp, field", [
+    ("llama", 3, "num_attention_heads"), ("qwen3_5_text", 4, "linear_num_key_heads"),
+    ("llama", 8, "num_attention_heads"), ("qwen3_5_moe_text", 0, "at least 1")])
+def test_a_size_that_does_not_divide_is_refused_naming_the_field(arch: str, tp: int, field: str) -> None:
+    with pytest.raises(ValueError, match=field) as err:
+        shard_config(config(arch), tp)
+    assert "--tp-size" in str(err.value)
