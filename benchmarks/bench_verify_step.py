@@ -1,11 +1,13 @@
-"""Target verify step (one forward over a proposal tree) of the Qwen3.6-27B-shaped random-weight target vs
-its autoregressive decode step (GPU script).
+"""Target verify step (one forward over a proposal tree) of a random-weight target vs its autoregressive decode
+step (GPU script): Qwen3.6-27B-shaped by default, or Qwen3.5-35B-A3B-shaped (`--target qwen3.5-35b-a3b`), where a
+tree of N tokens reads the union of their experts and verify(N) / AR grows much faster with N.
 
 For N = 1, 16, 65, 129 tree nodes (best-first shaped trees, depth <= 15) below a 1k-token context, the
 verify forward + logits and the commit of a depth-5 path are each captured in a CUDA graph and timed with
 CUDA events after warm-up (median). The AR step is the engine's captured decode step at the same context.
 
     python benchmarks/bench_verify_step.py --out $OUT/verify_step.json [--kernel chunk|recurrent]
+        [--target qwen3.6-27b|qwen3.5-35b-a3b] [--ns 1 4 8 16 32 65]
 """
 from __future__ import annotations
 
@@ -19,8 +21,11 @@ from benchmarks.timing import capture, report_choices, time_ms
 from dflash_tfm.config import ModelConfig
 from dflash_tfm.engine.model_runner import ModelRunner
 from dflash_tfm.layers.linear import skinny_projections
-from dflash_tfm.models.presets import QWEN3_6_27B
+from dflash_tfm.models.presets import QWEN3_5_35B_A3B, QWEN3_6_27B
 from dflash_tfm.tree import TreeSpec, random_parents
+
+
+TARGETS = {"qwen3.6-27b": QWEN3_6_27B, "qwen3.5-35b-a3b": QWEN3_5_35B_A3B}
 
 
 def first_child_path(parents: torch.Tensor, depth: int = 5) -> tuple[torch.Tensor, torch.Tensor]:
@@ -82,16 +87,17 @@ def main() -> None:
     ap.add_argument("--kernel", default="chunk", choices=["chunk", "recurrent"])
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--quantization", default=None, choices=["fp8"], help="hold the projections in FP8")
+    ap.add_argument("--target", default="qwen3.6-27b", choices=sorted(TARGETS), help="the shapes of the target")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    cfg = ModelConfig.from_dict(QWEN3_6_27B)
+    cfg = ModelConfig.from_dict(TARGETS[args.target])
     device = torch.device("cuda")
     model = random_target(cfg, device, torch.bfloat16, args.context + 1024, args.quantization)
     L = args.context
-    results = {"context": L, "kernel": args.kernel, "quantization": args.quantization} | time_steps(
-        model, cfg, args, device)
-    print(f"\n| N | verify ms | / AR step | commit ms |  (AR step {results['ar_step_ms']:.2f} ms, context {L}, GDN "
-          f"kernel {args.kernel})")
+    settings = {"target": args.target, "context": L, "kernel": args.kernel, "quantization": args.quantization}
+    results = settings | time_steps(model, cfg, args, device)
+    print(f"\n| N | verify ms | / AR step | commit ms |  (AR step {results['ar_step_ms']:.2f} ms, {args.target}, "
+          f"context {L}, GDN kernel {args.kernel})")
     print("|---|---|---|---|")
     for n, r in results["verify"].items():
         print(f"| {n} | {r['verify_ms']:.2f} | {r['verify_ms'] / results['ar_step_ms']:.2f}x | {r['commit_ms']:.3f} |")

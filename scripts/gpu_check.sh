@@ -39,6 +39,9 @@ has kernels && run bench_gdn_decode python3 -m benchmarks.bench_gdn_decode
 has kernels && run bench_gdn_fused_decode python3 -m benchmarks.bench_gdn_fused_decode
 has tree && run bench_tree_kernels python3 -m benchmarks.bench_tree_kernels
 has moe && run bench_moe_experts python3 -m benchmarks.bench_moe_experts ${MOE_SWEEP:+--sweep} --out "$OUT/moe_experts.json"
+# verify(N) / AR on the MoE target: a tree reads the union of its tokens' experts (the adaptive budget's cost).
+has moe && run bench_verify_step_moe python3 -m benchmarks.bench_verify_step --target qwen3.5-35b-a3b \
+  --ns 1 4 8 16 32 65 --out "$OUT/verify_step_moe.json"
 has ar && run bench_ar_decode python3 -m benchmarks.bench_ar_decode --out "$OUT/ar_decode.json"
 has verify && run bench_verify_step python3 -m benchmarks.bench_verify_step --ns ${VERIFY_NS:-1 16 65 129} \
   --out "$OUT/verify_step.json"
