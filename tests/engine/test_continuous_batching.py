@@ -13,6 +13,7 @@ import torch
 
 from dflash_tfm import Engine, SamplingParams, SpeculativeConfig
 from dflash_tfm.engine.batch_runner import batch_bucket
+from dflash_tfm.engine.continuous_batching import ContinuousBatch
 from tests.train.tiny_chat import save_tiny_chat_model
 
 MAX_LEN = 64
@@ -91,6 +92,17 @@ def test_greedy_requests_in_a_batch_equal_their_solo_outputs(engine: Engine) -> 
 def test_requests_all_arriving_at_once_equal_their_solo_outputs(engine: Engine) -> None:
     requests = mixed_requests(engine)
     assert run_batch(engine, requests, arrive_every=0) == {i: solo(engine, *r) for i, r in enumerate(requests)}
+
+
+def test_prompts_fed_in_chunks_between_decode_steps_equal_their_solo_outputs(engine: Engine, monkeypatch) -> None:
+    """Long prompts enter 7 tokens per step while the others decode: a newcomer holds the batch up by one chunk
+    per step, and its chunks continue its row's caches exactly as one prefill would."""
+    monkeypatch.setattr(engine, "batch", ContinuousBatch(engine.batch.runner, prefill_chunk=7))
+    requests = mixed_requests(engine)
+    expected = {i: solo(engine, *r) for i, r in enumerate(requests)}
+    assert run_batch(engine, requests, arrive_every=1) == expected
+    with pytest.raises(ValueError, match="prefill_chunk"):
+        ContinuousBatch(engine.batch.runner, prefill_chunk=0)
 
 
 def test_sampled_requests_reproduce_their_solo_draws(engine: Engine) -> None:

@@ -73,7 +73,7 @@ class BatchGenerator:
             for key, ids in pending:
                 if not ids or len(ids) >= self.max_len:
                     raise ValueError(f"prompt {key!r} has {len(ids)} tokens; the cache rows hold {self.max_len}")
-                self.runner.cache.row(slot).reset()
+                self.runner.reset_row(slot)
                 rows[slot] = _Row(key, list(ids), min(max_new_tokens, self.max_len - len(ids)))
                 return
 
