@@ -152,6 +152,12 @@ def test_bad_use_is_refused_with_a_clear_error(engine: Engine) -> None:
     for seq in seqs:
         engine.abort_request(seq)
     assert engine.free_slots == SLOTS and engine.step() == []
+    stream = engine.stream([5, 6], params)
+    next(stream)
+    with pytest.raises(RuntimeError, match="stream is decoding"):
+        engine.add_request([5, 6], params)
+    stream.close()
+    engine.abort_request(engine.add_request([5, 6], params))
 
 
 def test_engine_flags_are_checked() -> None:

@@ -91,6 +91,7 @@ class Engine:
             )
         self.max_running_requests = max_running_requests
         self.batch: ContinuousBatch | None = None
+        self._streaming = False  # a `stream` is open (it decodes in row 0 of the batch's cache)
         shared_cache = None
         if max_running_requests > 1:
             batch_runner = BatchRunner(loaded.model, max_running_requests, self.max_model_len, self.device,
@@ -169,7 +170,7 @@ class Engine:
         assert delta is not None
         return GenerationResult(token_ids=ids, text=text, finish_reason=delta.finish_reason or "length", stats=delta.stats)
 
-    def new_sequence(
+    def _new_sequence(
         self, prompt: Prompt, params: SamplingParams | None = None, *, chat: bool = False,
         enable_thinking: bool | None = None,
     ) -> Sequence:
@@ -198,10 +199,17 @@ class Engine:
         enable_thinking: bool | None = None,
     ) -> Iterator[StreamDelta]:
         """Generate incrementally. Closing the iterator early (client gone) stops decoding at once."""
-        seq = self.new_sequence(prompt, params, chat=chat, enable_thinking=enable_thinking)
+        seq = self._new_sequence(prompt, params, chat=chat, enable_thinking=enable_thinking)
         if self.batch is not None and self.batch.running:
             raise RuntimeError(f"stream decodes in cache row 0, which {self.batch.running} batched requests may "
                                "hold: finish or abort them first (or use add_request)")
+        self._streaming = True
+        try:
+            yield from self._decode_alone(seq)
+        finally:
+            self._streaming = False
+
+    def _decode_alone(self, seq: Sequence) -> Iterator[StreamDelta]:
         stats = seq.stats
         t0 = time.perf_counter()
         pending = [self.decoder.prefill(seq.prompt_ids, seq.params, seq.generator)]
@@ -214,9 +222,9 @@ class Engine:
                 if seq.finished:
                     for phase, seconds in self.decoder.phase_seconds().items():
                         setattr(stats, f"{phase}_seconds", seconds)
-                    yield delta
-                    return
                 yield delta
+                if seq.finished:
+                    return
             pending = self.decoder.step(seq.params, seq.generator)
             stats.verify_steps += 1
             size = self.decoder.last_step_drafts
@@ -243,7 +251,9 @@ class Engine:
         """Admit a request into the running batch (ValueError for a bad request, RuntimeError without a free
         slot); it is prefilled by a coming `step` and decodes with the others from then on."""
         batch = self._running_batch()
-        seq = self.new_sequence(prompt, params, chat=chat, enable_thinking=enable_thinking)
+        if self._streaming:
+            raise RuntimeError("a stream is decoding in cache row 0: finish or close it before add_request")
+        seq = self._new_sequence(prompt, params, chat=chat, enable_thinking=enable_thinking)
         batch.add(seq)
         return seq
 
