@@ -160,6 +160,16 @@ def test_bad_use_is_refused_with_a_clear_error(engine: Engine) -> None:
     engine.abort_request(engine.add_request([5, 6], params))
 
 
+def test_batch_runner_refuses_what_does_not_fit_its_rows(engine: Engine) -> None:
+    runner = engine.batch.runner
+    with pytest.raises(ValueError, match="do not fit"):
+        runner.prefill(0, [])
+    with pytest.raises(ValueError, match="do not fit"):
+        runner.prefill(0, [5] * 10, start=MAX_LEN - 10)
+    with pytest.raises(ValueError, match="beyond the cache rows"):
+        runner.decode({0: 5}, {0: MAX_LEN})
+
+
 def test_engine_flags_are_checked() -> None:
     with pytest.raises(ValueError, match="max_running_requests must be >= 1"):
         Engine(device="cpu", dtype="float32", max_model_len=64, max_running_requests=0, progress=False)
