@@ -14,6 +14,7 @@ import torch
 from dflash_tfm import Engine, SamplingParams, SpeculativeConfig
 from dflash_tfm.engine.batch_runner import batch_bucket
 from dflash_tfm.engine.continuous_batching import ContinuousBatch
+from tests.engine.test_batch_generation import ReplayedFirstCapture
 from tests.train.tiny_chat import save_tiny_chat_model
 
 MAX_LEN = 64
@@ -133,6 +134,16 @@ def test_a_lone_request_steps_one_row_and_a_full_batch_every_row(engine: Engine,
     rows.clear()
     run_batch(engine, [([5, 6, 7], params)] * SLOTS, arrive_every=0)
     assert max(rows) == batch_bucket(SLOTS, SLOTS) == SLOTS
+
+
+def test_steps_replayed_from_static_buffers_equal_eager(engine: Engine, monkeypatch) -> None:
+    """With CUDA graphs' semantics (a key's first step is what later steps of that key replay, reading only the
+    static buffers), every request still gets its solo output: the step depends on nothing but its key."""
+    graphs = ReplayedFirstCapture()
+    monkeypatch.setattr(engine.batch.runner, "graphs", graphs)
+    requests = mixed_requests(engine)
+    assert run_batch(engine, requests, arrive_every=1) == {i: solo(engine, *r) for i, r in enumerate(requests)}
+    assert {key[1] for key in graphs.captured} == {1, 2, 3}  # the steps ran at every batch bucket
 
 
 def test_batch_bucket() -> None:
