@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
         engine = Engine(args.model_path, args.speculative, device=args.device, dtype=args.dtype,
                         quantization=args.quantization,
                         max_model_len=args.max_model_len, use_cuda_graph=not args.disable_cuda_graph,
-                        tp_size=args.tp_size)
+                        tp_size=args.tp_size, max_running_requests=args.max_running_requests)
     except (FileNotFoundError, CheckpointError, ValueError, NotImplementedError) as e:
         print(f"launch_server: error: {e}", file=sys.stderr)
         return 2
@@ -43,9 +43,10 @@ def main(argv: list[str] | None = None) -> int:
         destroy_tensor_parallel()
         return 0
     logger.info("%s", engine.kernel_path)
-    logger.info("serving %s (max_model_len %d, speculative %s) on http://%s:%d; admitting up to %d requests",
-                engine.model_path.name, engine.max_model_len, args.speculative.algorithm or "off (autoregressive)",
-                args.host, args.port, args.max_admitted_requests)
+    logger.info("serving %s (max_model_len %d, speculative %s) on http://%s:%d; decoding up to %d requests "
+                "together, admitting up to %d", engine.model_path.name, engine.max_model_len,
+                args.speculative.algorithm or "off (autoregressive)", args.host, args.port,
+                engine.max_running_requests, args.max_admitted_requests)
     try:
         uvicorn.run(create_app(engine, args), host=args.host, port=args.port, log_level=args.log_level,
                     http=protocol_with_header_timeout(args.timeout_read), timeout_keep_alive=args.timeout_keep_alive,

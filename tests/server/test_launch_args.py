@@ -59,6 +59,12 @@ def test_defaults_are_autoregressive_and_quiet() -> None:
 
 def test_admission_bound_flags() -> None:
     assert parse_server_args(["--max-running-requests", "1"]).max_admitted_requests == 16
+    assert parse_server_args([]).max_running_requests == 8  # continuous batching by default
+    four = parse_server_args(["--max-running-requests", "4"])
+    assert four.max_running_requests == 4 and four.not_applicable == {}
+    spec = parse_server_args(["--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", "/d",
+                              "--max-running-requests", "4"])
+    assert spec.max_running_requests == 1 and "--max-running-requests=4" in spec.not_applicable
     assert parse_server_args(["--max-running-requests", "1", "--max-queued-requests", "3"]).max_admitted_requests == 3
 
 

@@ -92,6 +92,7 @@ class SlowEngine:
     config = SimpleNamespace(vocab_size=100)
     eos_token_ids = {0}
     speculative = SpeculativeConfig()
+    max_running_requests = 1  # one request at a time: the worker runs `stream`
 
     def __init__(self) -> None:
         self.tokens = 0

@@ -1,5 +1,5 @@
-"""A tiny chat checkpoint for engine-level tests: the random `tests.models.tiny_targets` llama (vocab 160) plus a
-word-level tokenizer with a ChatML-like template, saved as a real HF directory the engine loads like any other."""
+"""A tiny chat checkpoint for engine-level tests: a random `tests.models.tiny_targets` target (llama by default,
+vocab 160) plus a word-level tokenizer with a ChatML-like template, saved as a real HF directory the engine loads like any other."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -12,13 +12,13 @@ CHAT_TEMPLATE = (
 )
 
 
-def save_tiny_chat_model(root: Path) -> Path:
+def save_tiny_chat_model(root: Path, arch: str = "llama") -> Path:
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     from tests.models.tiny_targets import VOCAB, save_hf_model
 
-    _, path = save_hf_model("llama", root)
+    _, path = save_hf_model(arch, root)
     words = SPECIALS + WORDS
     vocab = {w: i for i, w in enumerate(words + [f"w{i}" for i in range(VOCAB - len(words))])}
     backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))

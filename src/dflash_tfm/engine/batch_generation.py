@@ -8,10 +8,10 @@ per step, from a zeroed recurrent state. So no row ever holds padding (a Gated-D
 tokens) and nothing runs outside the batched step: a separate eager prefill per prompt (~400 kernel launches
 for SmolLM2) cost more than the batched step itself and left the GPU idle meanwhile.
 
-On CUDA the decode step is a CUDA graph per key-length bucket (`PhaseGraphs`, state-advancing: a bucket's
-first step runs eagerly and is captured for the next ones). Sampling uses one generator for the whole batch,
-so a run reproduces given the same prompts, slot count and seed, but a row's tokens depend on which rows
-share its steps (use `Engine` for per-request seeds).
+The step is `BatchRunner.decode`, the step the server's continuous batching runs (on CUDA a graph per batch
+and key-length bucket). Sampling uses one generator for the whole batch, so a run reproduces given the same
+prompts, slot count and seed, but a row's tokens depend on which rows share its steps (use `Engine` for
+per-request seeds).
 """
 from __future__ import annotations
 
@@ -21,9 +21,7 @@ from typing import Generic, TypeVar
 
 import torch
 
-from dflash_tfm.models.cache import ModelCache
-from dflash_tfm.engine.model_runner import key_length_bucket
-from dflash_tfm.engine.phase_graphs import PhaseGraphs
+from dflash_tfm.engine.batch_runner import BatchRunner
 from dflash_tfm.sampling import make_generator, sample
 from dflash_tfm.models.decoder import CausalLM
 from dflash_tfm.sampling_params import SamplingParams
@@ -53,37 +51,11 @@ class BatchGenerator:
 
     def __init__(self, model: CausalLM, slots: int, max_len: int, stop_ids: Iterable[int], *,
                  use_cuda_graph: bool = True) -> None:
-        if slots < 1:
-            raise ValueError(f"slots must be >= 1, got {slots}")
-        self.model = model
         self.device = model.embed_tokens.device
         self.slots = slots
         self.max_len = max_len
         self.stop_ids = set(stop_ids)
-        self.cache = ModelCache(model.config, max_len, slots, model.embed_tokens.dtype, self.device)
-        self.graphs = PhaseGraphs(use_cuda_graph and self.device.type == "cuda")
-        # Static decode-step buffers (the graphs read and write these addresses).
-        self._ids = torch.zeros(slots, 1, dtype=torch.long, device=self.device)
-        self._positions = torch.zeros(slots, 1, dtype=torch.long, device=self.device)
-        self._logits: torch.Tensor | None = None  # [slots, V] fp32, allocated by the first (eager) step
-
-    def _decode(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """One token per row (tokens [slots], positions [slots, 1], both on the host) -> fp32 logits [slots, V];
-        advances every row's caches. Reads a bucketed key length, not max(position) + 1, so the step sees a few
-        shapes, not a new one every step."""
-        kv_len = key_length_bucket(int(positions.max()), self.max_len)
-        self._ids.copy_(tokens.view(-1, 1))
-        self._positions.copy_(positions)
-
-        def step() -> None:
-            hidden, _ = self.model(self._ids, self._positions, self.cache, kv_len=kv_len)
-            logits = self.model.logits(hidden[:, -1])
-            if self._logits is None:
-                self._logits = torch.empty_like(logits)
-            self._logits.copy_(logits)
-
-        self.graphs.run(("decode", kv_len), step, advances_state=True)
-        return self._logits
+        self.runner = BatchRunner(model, slots, max_len, self.device, use_cuda_graph=use_cuda_graph)
 
     @torch.inference_mode()
     def generate(
@@ -101,7 +73,7 @@ class BatchGenerator:
             for key, ids in pending:
                 if not ids or len(ids) >= self.max_len:
                     raise ValueError(f"prompt {key!r} has {len(ids)} tokens; the cache rows hold {self.max_len}")
-                self.cache.row(slot).reset()
+                self.runner.reset_row(slot)
                 rows[slot] = _Row(key, list(ids), min(max_new_tokens, self.max_len - len(ids)))
                 return
 
@@ -118,13 +90,11 @@ class BatchGenerator:
             active = [(slot, row) for slot, row in enumerate(rows) if row is not None]
             if not active:
                 return
-            # Free rows decode too (a static batch; their output is ignored and admission resets them).
-            inputs = torch.zeros(self.slots, dtype=torch.long)
-            positions = torch.zeros(self.slots, 1, dtype=torch.long)
-            for slot, row in active:
-                inputs[slot], positions[slot, 0] = row.next_input(), row.length
+            logits = self.runner.decode({slot: row.next_input() for slot, row in active},
+                                        {slot: row.length for slot, row in active})
+            for _, row in active:
                 row.length += 1
-            sampled = sample(self._decode(inputs, positions), params, generator).tolist()  # the one host read
+            sampled = sample(logits, params, generator).tolist()  # the one host read
             for slot, row in active:
                 if row.length >= len(row.prompt):  # it fed its last prompt token or a sampled one
                     row.tokens.append(sampled[slot])

@@ -1,4 +1,8 @@
-"""`Engine`: the facade users, the CLI and the server call. One sequence at a time (batch 1).
+"""`Engine`: the facade users, the CLI and the server call.
+
+`stream` / `generate` decode one request (batch 1, every algorithm). An autoregressive engine built with
+`max_running_requests` > 1 also serves many requests at once by continuous batching: `add_request`, then `step`
+until each request's last delta, `abort_request` to drop one (engine/continuous_batching.py).
 
     from dflash_tfm import Engine, SamplingParams, SpeculativeConfig
     engine = Engine()                      # embedded SmolLM2-135M-Instruct, autoregressive
@@ -11,17 +15,20 @@ from __future__ import annotations
 import functools
 import random
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Iterator
 
 import torch
 
 from dflash_tfm import tuning
+from dflash_tfm.engine.batch_runner import BatchRunner
+from dflash_tfm.engine.continuous_batching import ContinuousBatch
 from dflash_tfm.engine.decoder_factory import build_decoder
 from dflash_tfm.engine.detokenizer import IncrementalDetokenizer
 from dflash_tfm.engine.model_runner import ModelRunner
 from dflash_tfm.engine.result import GenerationResult, GenerationStats
+from dflash_tfm.engine.sequence import Sequence, StreamDelta
 from dflash_tfm.loading.default_model import DEFAULT_BUNDLE
 from dflash_tfm.loading.loader import load_target, parse_dtype
 from dflash_tfm.parallel.group import broadcast_object, init_tensor_parallel, tp_rank, tp_size as group_size
@@ -33,16 +40,6 @@ from dflash_tfm.speculative_config import SpeculativeConfig
 DEFAULT_MAX_MODEL_LEN = 32768
 
 Prompt = str | list[int] | list[dict]
-
-
-@dataclass
-class StreamDelta:
-    """Incremental output: new token ids and new text since the last delta; `finish_reason` on the last one."""
-
-    token_ids: list[int]
-    text: str
-    finish_reason: str | None = None
-    stats: GenerationStats = field(default_factory=GenerationStats)
 
 
 class Engine:
@@ -58,6 +55,7 @@ class Engine:
         use_cuda_graph: bool = True,
         progress: bool = True,
         tp_size: int = 1,
+        max_running_requests: int = 1,
     ) -> None:
         """model_path None = the embedded SmolLM2-135M-Instruct; then a speculative config without checkpoint
         paths uses the bundle trained for it (loading.default_model.DEFAULT_BUNDLE).
@@ -65,11 +63,25 @@ class Engine:
         quantization "fp8" holds a BF16 checkpoint's projections in FP8 (loading/fp8_layout.py); FP8 checkpoints
         load as FP8 either way.
         max_model_len defaults to min(the model's context, 32768) and sizes the static caches.
+        max_running_requests > 1 (autoregressive decoding only) sizes the caches for that many rows and enables
+        continuous batching (`add_request` / `step`); `stream` then decodes in row 0, so it refuses to run while
+        batched requests hold slots.
         `self.speculative` is the config as run: checkpoint paths filled in, block_size the drafter's own.
         tp_size > 1 splits the target over that many processes (`parallel/`), each of which builds this Engine
         (started by torchrun): the drafter and Weaver are replicated, so every rank builds the same tree and
-        accepts the same tokens, and only the target's projections communicate."""
+        accepts the same tokens, and only the target's projections communicate. Continuous batching is not
+        sharded yet: tp_size > 1 needs max_running_requests 1."""
         speculative = (speculative or SpeculativeConfig()).with_checkpoints(DEFAULT_BUNDLE if model_path is None else None)
+        if max_running_requests < 1:
+            raise ValueError(f"max_running_requests must be >= 1, got {max_running_requests}")
+        if max_running_requests > 1 and tp_size > 1:
+            raise ValueError(f"max_running_requests={max_running_requests} with tp_size={tp_size}: continuous "
+                             "batching runs on one process so far; use max_running_requests=1 with tensor parallelism")
+        if max_running_requests > 1 and speculative.enabled:
+            raise ValueError(
+                f"max_running_requests={max_running_requests} needs autoregressive decoding: speculative algorithms "
+                f"({speculative.algorithm}) decode one request at a time; use max_running_requests=1"
+            )
         self.device = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' requested but CUDA is not available")
@@ -89,7 +101,17 @@ class Engine:
             raise ValueError(
                 f"max_model_len must be in [2, {self.config.max_position_embeddings}], got {self.max_model_len}"
             )
-        self.runner = ModelRunner(loaded.model, self.max_model_len, self.device, use_cuda_graph=use_cuda_graph)
+        self.max_running_requests = max_running_requests
+        self.batch: ContinuousBatch | None = None
+        self._streaming = False  # a `stream` is open (it decodes in row 0 of the batch's cache)
+        shared_cache = None
+        if max_running_requests > 1:
+            batch_runner = BatchRunner(loaded.model, max_running_requests, self.max_model_len, self.device,
+                                       use_cuda_graph=use_cuda_graph)
+            self.batch = ContinuousBatch(batch_runner)
+            shared_cache = batch_runner.cache.row(0)  # one request alone decodes in row 0: no second cache
+        self.runner = ModelRunner(loaded.model, self.max_model_len, self.device, use_cuda_graph=use_cuda_graph,
+                                  cache=shared_cache)
         self.decoder = build_decoder(self.runner, self.config, speculative)
         block = getattr(self.decoder, "block", None)
         self.speculative = replace(speculative, block_size=block) if speculative.enabled else speculative
@@ -160,15 +182,12 @@ class Engine:
         assert delta is not None
         return GenerationResult(token_ids=ids, text=text, finish_reason=delta.finish_reason or "length", stats=delta.stats)
 
-    def stream(
+    def _new_sequence(
         self, prompt: Prompt, params: SamplingParams | None = None, *, chat: bool = False,
         enable_thinking: bool | None = None,
-    ) -> Iterator[StreamDelta]:
-        """Generate incrementally. Closing the iterator early (client gone) stops decoding at once.
-
-        At tp > 1 only rank 0 calls this: it sends each request to the other ranks, which decode it in lockstep
-        (`follow`), and a stream closed early still decodes to its natural end, silently, so that every rank
-        runs the same steps and their collectives stay matched."""
+    ) -> Sequence:
+        """A validated request (ValueError names what is wrong): encoded prompt, budget, stop ids, generator. At
+        tp > 1 a sampled request without a seed gets one here, so that every rank draws the same tokens."""
         params = params or SamplingParams()
         params.validate()
         prompt_ids = self.encode_prompt(prompt, chat, enable_thinking)
@@ -179,26 +198,52 @@ class Engine:
                 f"prompt has {len(prompt_ids)} tokens but the context is {self.max_model_len} tokens "
                 "(max_model_len); shorten the prompt"
             )
+        if group_size() > 1 and not params.greedy and params.seed is None:
+            params = replace(params, seed=random.randrange(2**63))
+        return self._sequence(prompt_ids, params)
+
+    def _sequence(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
+        return Sequence(
+            prompt_ids=prompt_ids, params=params,
+            stop_ids=set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids),
+            budget=min(params.max_new_tokens, self.max_model_len - len(prompt_ids)),
+            generator=make_generator(params, self.device),
+            detokenizer=IncrementalDetokenizer(self.tokenizer, params.stop),
+            stats=GenerationStats(prompt_tokens=len(prompt_ids)),
+        )
+
+    def stream(
+        self, prompt: Prompt, params: SamplingParams | None = None, *, chat: bool = False,
+        enable_thinking: bool | None = None,
+    ) -> Iterator[StreamDelta]:
+        """Generate incrementally. Closing the iterator early (client gone) stops decoding at once.
+
+        At tp > 1 only rank 0 calls this: it sends each request to the other ranks, which decode it in lockstep
+        (`follow`), and a stream closed early still decodes to its natural end, silently, so that every rank
+        runs the same steps and their collectives stay matched."""
+        seq = self._new_sequence(prompt, params, chat=chat, enable_thinking=enable_thinking)
+        if self.batch is not None and self.batch.running:
+            raise RuntimeError(f"stream decodes in cache row 0, which {self.batch.running} batched requests may "
+                               "hold: finish or abort them first (or use add_request)")
         lockstep = group_size() > 1
         if lockstep:
-            if not params.greedy and params.seed is None:  # every rank must draw the same tokens
-                params = replace(params, seed=random.randrange(2**63))
-            broadcast_object((prompt_ids, params))
-        deltas = self._decode(prompt_ids, params)
+            broadcast_object((seq.prompt_ids, seq.params))
+        self._streaming = True
+        deltas = self._decode_alone(seq)
         try:
-            for delta in deltas:
-                yield delta
+            yield from deltas
         finally:
             if lockstep:
                 for _ in deltas:
                     pass
             deltas.close()
+            self._streaming = False
 
     def follow(self) -> None:
         """Every rank but 0 at tp > 1: decode each request rank 0 streams, in lockstep with it, until rank 0
         calls `release_followers`."""
         while (request := broadcast_object(None)) is not None:
-            for _ in self._decode(*request):
+            for _ in self._decode_alone(self._sequence(*request)):
                 pass
 
     def release_followers(self) -> None:
@@ -206,38 +251,59 @@ class Engine:
         if group_size() > 1:
             broadcast_object(None)
 
-    def _decode(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[StreamDelta]:
-        """The decode loop of one admitted request: prefill, then steps until a stop or the token budget."""
-        budget = min(params.max_new_tokens, self.max_model_len - len(prompt_ids))
-        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
-        stats = GenerationStats(prompt_tokens=len(prompt_ids))
-        generator = make_generator(params, self.device)
-        detok = IncrementalDetokenizer(self.tokenizer, params.stop)
-
+    def _decode_alone(self, seq: Sequence) -> Iterator[StreamDelta]:
+        stats = seq.stats
         t0 = time.perf_counter()
-        pending = [self.decoder.prefill(prompt_ids, params, generator)]
+        pending = [self.decoder.prefill(seq.prompt_ids, seq.params, seq.generator)]
         stats.prefill_seconds = time.perf_counter() - t0
         stats.verify_steps = 1  # the prefill forward produced the first token
-        t0 = time.perf_counter()
+        seq.decode_started = time.perf_counter()
         while True:
             for tok in pending:
-                stats.completion_tokens += 1
-                text, stopped_by_string = detok.push(tok)
-                finish = None
-                if tok in stop_ids or stopped_by_string:
-                    finish = "stop"
-                elif stats.completion_tokens >= budget:
-                    finish = "length"
-                if finish:
-                    stats.decode_seconds = time.perf_counter() - t0
+                delta = seq.push(tok)
+                if seq.finished:
                     for phase, seconds in self.decoder.phase_seconds().items():
                         setattr(stats, f"{phase}_seconds", seconds)
-                    yield StreamDelta([tok], text + detok.flush(), finish, stats)
+                yield delta
+                if seq.finished:
                     return
-                yield StreamDelta([tok], text, None, stats)
-            pending = self.decoder.step(params, generator)
+            pending = self.decoder.step(seq.params, seq.generator)
             stats.verify_steps += 1
             size = self.decoder.last_step_drafts
             stats.draft_tokens += size
             stats.draft_sizes[size] = stats.draft_sizes.get(size, 0) + 1
             stats.accepted_draft_tokens += len(pending) - 1
+
+    # ---- continuous batching (autoregressive, max_running_requests > 1) ------------------------------
+    def _running_batch(self) -> ContinuousBatch:
+        if self.batch is None:
+            raise RuntimeError("continuous batching needs an autoregressive Engine built with "
+                               "max_running_requests > 1; this one decodes one request at a time (use stream)")
+        return self.batch
+
+    @property
+    def free_slots(self) -> int:
+        """Requests `add_request` can take now (0 for an engine without continuous batching)."""
+        return 0 if self.batch is None else self.batch.free_slots
+
+    def add_request(
+        self, prompt: Prompt, params: SamplingParams | None = None, *, chat: bool = False,
+        enable_thinking: bool | None = None,
+    ) -> Sequence:
+        """Admit a request into the running batch (ValueError for a bad request, RuntimeError without a free
+        slot); it is prefilled by a coming `step` and decodes with the others from then on."""
+        batch = self._running_batch()
+        if self._streaming:
+            raise RuntimeError("a stream is decoding in cache row 0: finish or close it before add_request")
+        seq = self._new_sequence(prompt, params, chat=chat, enable_thinking=enable_thinking)
+        batch.add(seq)
+        return seq
+
+    def step(self) -> list[tuple[Sequence, StreamDelta]]:
+        """One step of the running batch: each request's new token as (request, delta); a request's last delta
+        carries its finish reason, and its slot is free again."""
+        return self._running_batch().step()
+
+    def abort_request(self, seq: Sequence) -> None:
+        """Drop a running request (its client left) and free its slot."""
+        self._running_batch().abort(seq)

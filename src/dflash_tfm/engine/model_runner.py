@@ -48,13 +48,15 @@ def prefill_in_chunks(
 class ModelRunner:
     def __init__(
         self, model: CausalLM, max_len: int, device: torch.device, use_cuda_graph: bool = True,
-        prefill_chunk: int = 2048,
+        prefill_chunk: int = 2048, cache: ModelCache | None = None,
     ) -> None:
+        """`cache`: a batch-1 cache to decode in (a row of a continuous batch's cache), else one of its own."""
         self.model = model
         self.max_len = max_len
         self.device = device
         self.dtype = model.embed_tokens.dtype
-        self.cache = ModelCache(model.config, max_len, batch=1, dtype=self.dtype, device=device)
+        self.cache = cache if cache is not None else ModelCache(model.config, max_len, batch=1, dtype=self.dtype,
+                                                                device=device)
         self.use_cuda_graph = use_cuda_graph and device.type == "cuda"
         self.prefill_chunk = prefill_chunk
         self._graphs: dict[tuple[int, tuple[int, ...]], tuple[torch.cuda.CUDAGraph, tuple]] = {}

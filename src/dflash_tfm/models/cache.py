@@ -56,12 +56,17 @@ class ModelCache:
 
     def row(self, b: int) -> "ModelCache":
         """A batch-1 view of batch row ``b``: reads and writes through it land in this cache's buffers."""
+        return self.rows(b, b + 1)
+
+    def rows(self, start: int, stop: int) -> "ModelCache":
+        """A view of batch rows ``start:stop``: a batched step over the first rows only (continuous batching
+        runs the smallest batch bucket covering its busy rows) reads and writes this cache's buffers."""
         view = object.__new__(ModelCache)
         view.max_len, view.config = self.max_len, self.config
         view._commit_stacks = {}
         view.attention_layers, view.gdn_layers = self.attention_layers, self.gdn_layers
-        view.k, view.v = self.k[:, b : b + 1], self.v[:, b : b + 1]
-        view.states, view.windows = self.states[:, b : b + 1], self.windows[:, b : b + 1]
+        view.k, view.v = self.k[:, start:stop], self.v[:, start:stop]
+        view.states, view.windows = self.states[:, start:stop], self.windows[:, start:stop]
         view._index_layers()
         return view
 

@@ -372,6 +372,7 @@ class Handlers:
             "max_model_len": self.engine.max_model_len,
             "vocab_size": self.engine.config.vocab_size,
             "max_admitted_requests": self.scheduler.max_admitted,
+            "max_running_requests": self.engine.max_running_requests,
             **self.engine.speculative.describe(),
             "speculative_step_ms_by_size": getattr(self.engine, "budget_step_ms", None),
         })
@@ -400,6 +401,7 @@ def create_app(engine: Engine, server_args: ServerArgs | None = None) -> FastAPI
     args = server_args or ServerArgs()
     metrics = ServerMetrics(engine.speculative.algorithm)
     scheduler = Scheduler(engine, args.max_admitted_requests, metrics)
+    metrics.max_running.set(engine.max_running_requests)
     h = Handlers(engine, scheduler, args, metrics)
 
     @asynccontextmanager

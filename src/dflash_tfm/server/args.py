@@ -1,7 +1,7 @@
 """Launch flags of `python -m dflash_tfm.launch_server`: the original system's flag set, validated once at start.
 
-Flags of the original that mean nothing for a batch-1 single-GPU engine (paging, radix cache, attention
-backends, overlap schedule, ...) are accepted so published launch commands run unchanged, and each one the
+Flags of the original that mean nothing for this single-GPU engine (paging, radix cache, attention backends,
+overlap schedule, ...) are accepted so published launch commands run unchanged, and each one the
 user gave is reported by `log_start_warnings` — never silently reinterpreted. Combinations that cannot work
 (a hub revision, speculative flags without an algorithm, ...) fail at start with one
 clear message instead of surfacing later as a wrong configuration.
@@ -25,6 +25,7 @@ logger = logging.getLogger("dflash_tfm.server")
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 30000
 DEFAULT_MAX_ADMITTED = 256
+DEFAULT_MAX_RUNNING = 8  # requests decoded together by continuous batching (autoregressive decoding)
 QUEUE_PER_RUNNING_SLOT = 16  # admitted = 16 x --max-running-requests when --max-queued-requests is not given
 DEFAULT_MAX_REQUEST_BYTES = 8 << 20  # a 32k-token prompt is ~150 kB of text or ~250 kB of ids: 8 MiB is ample
 DEFAULT_TIMEOUT_READ = 30.0
@@ -33,7 +34,7 @@ API_KEY_ENV = "DFLASH_TFM_API_KEY"
 
 # Accepted for compatibility; the reason is what the log line says when the user gives the flag.
 NOT_APPLICABLE = {
-    "cuda_graph_max_bs": "the engine is batch 1 and captures only the bs=1 decode graph (--disable-cuda-graph turns it off)",
+    "cuda_graph_max_bs": "decode graphs are captured per batch bucket up to --max-running-requests (--disable-cuda-graph turns them off)",
     "mem_fraction_static": "caches are static and sized by --max-model-len, not by a memory fraction",
     "page_size": "the KV cache is one contiguous static buffer, not paged",
     "disable_radix_cache": "there is no prefix cache: every request is prefilled in full (as if disabled)",
@@ -41,7 +42,7 @@ NOT_APPLICABLE = {
     "decode_attention_backend": "the engine picks its own kernels (SDPA, Triton tree attention, fla for GDN)",
     "prefill_attention_backend": "the engine picks its own kernels (SDPA, Triton tree attention, fla for GDN)",
     "speculative_draft_attention_backend": "the drafter uses the engine's own attention kernels",
-    "disable_overlap_schedule": "there is no overlap scheduler: one request runs at a time, step by step",
+    "disable_overlap_schedule": "there is no overlap scheduler: the host work of a step follows its forward pass",
 }
 
 
@@ -52,6 +53,9 @@ class ServerArgsError(ValueError):
 @dataclass
 class ServerArgs:
     """Validated launch settings: what builds the Engine, then the server's own settings.
+
+    max_running_requests is what the engine decodes together: the flag (default 8) for autoregressive
+    decoding on one process, 1 with a speculative algorithm or at --tp-size > 1 (batch 1 for now).
 
     allowed_hosts None accepts any Host header (the default when bound to a non-loopback address); api_key
     None serves without authentication."""
@@ -64,6 +68,7 @@ class ServerArgs:
     disable_cuda_graph: bool = False
     tp_size: int = 1
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    max_running_requests: int = DEFAULT_MAX_RUNNING
     host: str = DEFAULT_HOST
     port: int = DEFAULT_PORT
     served_model_name: str | None = None
@@ -94,14 +99,16 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m dflash_tfm.launch_server",
         usage="%(prog)s [--model-path PATH] [--speculative-algorithm ALGO ...] [--host HOST] [--port PORT] (see --help)",
-        description="OpenAI-compatible + /generate HTTP server for one dflash-tfm engine (batch 1).",
+        description="OpenAI-compatible + /generate HTTP server for one dflash-tfm engine.",
     )
     add_engine_args(p)
     p.add_argument("--revision", default=None, help="rejected: weights are local paths only (no hub downloads)")
     p.add_argument("--speculative-draft-model-revision", default=None, help="rejected: local paths only")
     p.add_argument("--max-running-requests", type=int, default=None,
-                   help="requests decoded at once; the engine runs 1, so this sizes admission: "
-                        f"{QUEUE_PER_RUNNING_SLOT} x N requests may be admitted (running + waiting)")
+                   help=f"requests decoded together by continuous batching (default {DEFAULT_MAX_RUNNING}; "
+                        "speculative algorithms decode 1 at a time); the cache holds one row of --max-model-len "
+                        f"tokens per request, and {QUEUE_PER_RUNNING_SLOT} x N requests may be admitted "
+                        "(running + waiting) when the flag is given"),
     p.add_argument("--max-queued-requests", type=int, default=None,
                    help="requests admitted at once (running + waiting, FIFO); more get HTTP 503 "
                         f"(default {QUEUE_PER_RUNNING_SLOT} x --max-running-requests, else {DEFAULT_MAX_ADMITTED})")
@@ -167,10 +174,15 @@ def server_args_from_namespace(ns: argparse.Namespace, environ: dict[str, str] |
         _flag(dest) if getattr(ns, dest) is True else f"{_flag(dest)}={getattr(ns, dest)}": why
         for dest, why in NOT_APPLICABLE.items() if getattr(ns, dest) not in (None, False)
     }
-    if ns.max_running_requests is not None and ns.max_running_requests > 1:
-        not_applicable[f"--max-running-requests={ns.max_running_requests}"] = (
-            "the engine decodes 1 request at a time (batch 1); others wait in a FIFO queue"
-        )
+    running = DEFAULT_MAX_RUNNING if ns.max_running_requests is None else ns.max_running_requests
+    one_at_a_time = (f"{spec.algorithm} decodes" if spec.enabled else
+                     f"--tp-size {ns.tp_size} decodes" if ns.tp_size > 1 else None)
+    if one_at_a_time:
+        running = 1
+        if ns.max_running_requests is not None and ns.max_running_requests > 1:
+            not_applicable[f"--max-running-requests={ns.max_running_requests}"] = (
+                f"{one_at_a_time} 1 request at a time (batch 1); others wait in a FIFO queue"
+            )
     not_applicable.update(unused_speculative_flags(ns, spec))
     if ns.max_queued_requests is not None:
         admitted = ns.max_queued_requests
@@ -180,7 +192,8 @@ def server_args_from_namespace(ns: argparse.Namespace, environ: dict[str, str] |
         admitted = DEFAULT_MAX_ADMITTED
     return ServerArgs(
         model_path=ns.model_path, dtype=ns.dtype, quantization=ns.quantization, device=ns.device, max_model_len=ns.max_model_len,
-        disable_cuda_graph=ns.disable_cuda_graph, tp_size=ns.tp_size, speculative=spec, host=ns.host, port=ns.port,
+        disable_cuda_graph=ns.disable_cuda_graph, tp_size=ns.tp_size, speculative=spec,
+        max_running_requests=running, host=ns.host, port=ns.port,
         served_model_name=ns.served_model_name, max_admitted_requests=admitted, api_key=api_key,
         allowed_hosts=allowed, max_request_bytes=ns.max_request_bytes, timeout_read=ns.timeout_read,
         timeout_keep_alive=ns.timeout_keep_alive, log_level=ns.log_level, not_applicable=not_applicable,

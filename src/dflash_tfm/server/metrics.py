@@ -1,7 +1,8 @@
 """Prometheus metrics of one server, in its own registry (so several apps in one process never collide).
 
 Token counters move per generated token, from the engine worker, so a cancelled request counts exactly the
-tokens it really decoded. Latency histograms are observed when a request finishes normally. Speculation
+tokens it really decoded. Latency histograms are observed when a request finishes normally; the batch-size
+histogram once per continuous-batching step, with the requests that step decoded. Speculation
 counters (verify steps, drafted and accepted tokens, decode steps per proposal size) carry the algorithm as a label
 ("none" when decoding is autoregressive), so acceptance can be read as accepted / drafted, tokens per step as
 generated / steps, and an adaptive budget's choices from the steps per size.
@@ -18,6 +19,7 @@ from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
 PREFIX = "dflash_tfm"
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128, 256)
 ACCEPT_BUCKETS = (1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 7.0, 8.0, 10.0, 12.0, 16.0)
 CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
 
@@ -53,7 +55,12 @@ class ServerMetrics:
                                  buckets=LATENCY_BUCKETS, registry=r)
         self.decode = Histogram(f"{PREFIX}_decode_seconds", "First to last token per request",
                                 buckets=LATENCY_BUCKETS, registry=r)
-        self.running = Gauge(f"{PREFIX}_num_running_requests", "Requests being decoded (0 or 1)", registry=r)
+        self.running = Gauge(f"{PREFIX}_num_running_requests", "Requests being decoded (holding a batch slot)",
+                             registry=r)
+        self.max_running = Gauge(f"{PREFIX}_max_running_requests", "Requests the engine decodes together at most "
+                                 "(--max-running-requests; 1 for speculative decoding)", registry=r)
+        self.batch_size = Histogram(f"{PREFIX}_batch_size", "Requests in the running batch at each engine step "
+                                    "(continuous batching)", buckets=BATCH_BUCKETS, registry=r)
         self.queued = Gauge(f"{PREFIX}_num_queued_requests", "Admitted requests waiting for the engine", registry=r)
 
     def steps_by_size(self, size: int):

@@ -1,10 +1,13 @@
 """FIFO admission and the one worker thread that owns the engine.
 
-The engine is batch 1 and not thread-safe, so exactly one thread ever calls it: requests are admitted into a
-bounded FIFO (beyond the bound, `submit` raises `QueueFullError` and the server answers 503) and the worker
-runs them one after another. Deltas travel to the request's event loop through an asyncio.Queue filled with
-`loop.call_soon_threadsafe`. Cancelling a waiting job removes it at once; cancelling the running job sets a
-flag the worker checks between tokens, after which it closes the engine stream (which stops decoding).
+The engine is not thread-safe, so exactly one thread ever calls it: requests are admitted into a bounded FIFO
+(beyond the bound, `submit` raises `QueueFullError` and the server answers 503) and the worker feeds them to the
+engine. An engine with continuous batching (`max_running_requests` > 1, autoregressive) takes waiting jobs
+whenever it has a free slot and decodes all of them together, one `Engine.step` at a time; otherwise (a
+speculative algorithm, batch 1) the worker runs one job's `Engine.stream` after another. Deltas travel to the
+request's event loop through an asyncio.Queue filled with `loop.call_soon_threadsafe`. Cancelling a waiting job
+removes it at once; cancelling a running one sets a flag the worker checks between steps (tokens), after which it
+aborts the request in the engine (freeing its slot) or closes its stream.
 """
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from dflash_tfm.engine.result import GenerationStats
+from dflash_tfm.engine.sequence import Sequence
 from dflash_tfm.sampling_params import SamplingParams
 from dflash_tfm.server.metrics import ServerMetrics
 
@@ -67,7 +71,7 @@ class Scheduler:
             raise ValueError(f"max_admitted must be >= 1, got {max_admitted}")
         self.engine, self.max_admitted, self.metrics = engine, max_admitted, metrics
         self._waiting: collections.deque[Job] = collections.deque()
-        self._running: Job | None = None
+        self._running: list[Job] = []
         self._cond = threading.Condition()
         self._stopping = False
         self._thread: threading.Thread | None = None
@@ -86,8 +90,8 @@ class Scheduler:
                 job.cancelled.set()
                 job.deliver(JobCancelled("server shutting down"))
             self._waiting.clear()
-            if self._running is not None:
-                self._running.cancelled.set()
+            for job in self._running:
+                job.cancelled.set()
             self._publish_counts()
             self._cond.notify_all()
         if self._thread is not None:
@@ -106,10 +110,11 @@ class Scheduler:
     def _check_room(self) -> None:
         if self._stopping:
             raise QueueFullError("server is shutting down")
-        admitted = len(self._waiting) + (self._running is not None)
+        admitted = len(self._waiting) + len(self._running)
         if admitted >= self.max_admitted:
             raise QueueFullError(
-                f"server is at capacity: {admitted} requests admitted (1 decoding at a time, the rest waiting), "
+                f"server is at capacity: {admitted} requests admitted ({len(self._running)} decoding, the rest "
+                "waiting), "
                 f"limit {self.max_admitted} (--max-queued-requests, default 16 x --max-running-requests); retry later"
             )
 
@@ -124,7 +129,7 @@ class Scheduler:
         return job
 
     def cancel(self, job: Job) -> None:
-        """Free the job's slot: a waiting job leaves the queue now, a running one stops before its next token.
+        """Free the job's slot: a waiting job leaves the queue now, a running one stops before its next step.
         Idempotent; a no-op once the job has finished."""
         with self._cond:
             if job.finished or job.cancelled.is_set():
@@ -140,28 +145,93 @@ class Scheduler:
     def _publish_counts(self) -> None:
         """Update the gauges; call with the lock held."""
         self.metrics.queued.set(len(self._waiting))
-        self.metrics.running.set(0 if self._running is None else 1)
+        self.metrics.running.set(len(self._running))
 
     def _worker(self) -> None:
+        if self.engine.max_running_requests > 1:
+            self._serve_batched()
+        else:
+            self._serve_one_at_a_time()
+
+    def _serve_one_at_a_time(self) -> None:
         while True:
             with self._cond:
                 while not self._waiting and not self._stopping:
                     self._cond.wait()
                 if self._stopping:
                     return
-                job = self._running = self._waiting.popleft()
+                job = self._waiting.popleft()
+                self._running.append(job)
                 self._publish_counts()
             try:
                 self._run(job)
             except Exception:  # a bug here must not kill the only thread that serves requests
                 logger.exception("engine worker failed on a request")
-                self._finish(job)
-                job.deliver(RuntimeError("internal error in the engine worker"))
+                self._fail(job)
             finally:
-                with self._cond:
-                    job.finished = True
-                    self._running = None
-                    self._publish_counts()
+                self._leave(job)
+
+    def _serve_batched(self) -> None:
+        """Continuous batching: between engine steps, cancelled jobs leave and waiting jobs take free slots."""
+        sequences: dict[Job, Sequence] = {}
+        jobs: dict[Sequence, tuple[Job, _Progress]] = {}  # each sequence's job and what was counted of it
+        while True:
+            with self._cond:
+                while not self._waiting and not sequences and not self._stopping:
+                    self._cond.wait()
+                if self._stopping:
+                    for seq in sequences.values():
+                        self.engine.abort_request(seq)
+                    return
+                joining = []
+                while self._waiting and self.engine.free_slots > len(joining):
+                    joining.append(self._waiting.popleft())
+                self._running.extend(joining)
+                self._publish_counts()
+            for job in joining:
+                try:
+                    seq = sequences[job] = self.engine.add_request(job.prompt_ids, job.params)
+                    jobs[seq] = job, _Progress()
+                except ValueError as e:  # the engine rejected the request (prompt too long, bad ids, ...)
+                    self._finish(job)
+                    job.deliver(e)
+                    self._leave(job)
+            for job in [job for job in sequences if job.cancelled.is_set()]:
+                seq = sequences.pop(job)
+                self.engine.abort_request(seq)
+                del jobs[seq]
+                self._leave(job)
+            if not sequences:
+                continue
+            self.metrics.batch_size.observe(len(sequences))
+            try:
+                produced = self.engine.step()
+            except Exception:  # a bug here must not kill the only thread that serves requests
+                logger.exception("engine worker failed on a batch step")
+                for job, seq in sequences.items():
+                    self.engine.abort_request(seq)
+                    self._fail(job)
+                    self._leave(job)
+                sequences.clear()
+                jobs.clear()
+                continue
+            for seq, delta in produced:
+                job, progress = jobs[seq]
+                if self._on_delta(job, progress, delta):
+                    del sequences[job], jobs[seq]
+                    self._leave(job)
+
+    def _fail(self, job: Job) -> None:
+        self._finish(job)
+        job.deliver(RuntimeError("internal error in the engine worker"))
+
+    def _leave(self, job: Job) -> None:
+        """The job holds no slot any more (finished, failed, cancelled or rejected)."""
+        with self._cond:
+            job.finished = True
+            if job in self._running:
+                self._running.remove(job)
+            self._publish_counts()
 
     def _finish(self, job: Job) -> None:
         """Mark the job finished before its last delivery, so a handler cleaning up afterwards does not count
@@ -179,38 +249,49 @@ class Scheduler:
         counted.verify_steps, counted.draft_tokens = stats.verify_steps, stats.draft_tokens
         counted.accepted_draft_tokens, counted.draft_sizes = stats.accepted_draft_tokens, dict(stats.draft_sizes)
 
+    def _on_delta(self, job: Job, progress: _Progress, delta: StreamDelta) -> bool:
+        """Count one delta in the metrics and hand it to the job's handler -> whether it was the job's last."""
+        m = self.metrics
+        now = time.perf_counter()
+        if progress.first_at is None:
+            progress.first_at = now
+            m.prompt_tokens.inc(len(job.prompt_ids))
+            m.ttft.observe(now - job.arrived)
+            m.prefill.observe(delta.stats.prefill_seconds)
+        m.generation_tokens.inc(len(delta.token_ids))
+        stats = replace(delta.stats, draft_sizes=dict(delta.stats.draft_sizes))  # the engine reuses its own
+        delta = replace(delta, stats=stats)
+        self._count_speculation(delta.stats, progress.counted)
+        if delta.finish_reason is None:
+            job.deliver(delta)
+            return False
+        self._finish(job)
+        job.deliver(delta)
+        m.decode.observe(now - progress.first_at)
+        m.e2e_latency.observe(now - job.arrived)
+        m.accept_length.observe(delta.stats.accept_length)
+        return True
+
     def _run(self, job: Job) -> None:
         """Decode one job, checking its cancel flag between tokens; closing the stream stops the engine."""
         if job.cancelled.is_set():
             return
-        m = self.metrics
         stream = self.engine.stream(job.prompt_ids, job.params)
-        first_at: float | None = None
-        counted = GenerationStats()  # what the speculation counters already hold of this request
+        progress = _Progress()
         try:
             for delta in stream:
-                now = time.perf_counter()
-                if first_at is None:
-                    first_at = now
-                    m.prompt_tokens.inc(len(job.prompt_ids))
-                    m.ttft.observe(now - job.arrived)
-                    m.prefill.observe(delta.stats.prefill_seconds)
-                m.generation_tokens.inc(len(delta.token_ids))
-                stats = replace(delta.stats, draft_sizes=dict(delta.stats.draft_sizes))  # the engine reuses its own
-                delta = replace(delta, stats=stats)
-                self._count_speculation(delta.stats, counted)
-                if delta.finish_reason is not None:
-                    self._finish(job)
-                    job.deliver(delta)
-                    m.decode.observe(now - first_at)
-                    m.e2e_latency.observe(now - job.arrived)
-                    m.accept_length.observe(delta.stats.accept_length)
-                    return
-                job.deliver(delta)
-                if job.cancelled.is_set():
+                if self._on_delta(job, progress, delta) or job.cancelled.is_set():
                     return
         except ValueError as e:  # the engine rejected the request (prompt too long, bad ids, ...)
             self._finish(job)
             job.deliver(e)
         finally:
             stream.close()
+
+
+@dataclass
+class _Progress:
+    """What the metrics already hold of one running job: when its first token came, its speculation counts."""
+
+    first_at: float | None = None
+    counted: GenerationStats = field(default_factory=GenerationStats)
