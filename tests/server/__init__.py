@@ -127,6 +127,42 @@ def scrape(base_url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float
     }
 
 
+def wait_counts(base_url: str, running: int, queued: int) -> None:
+    """Poll the gauges until (running, queued) is reached; fail after 5 s."""
+    deadline = time.monotonic() + 5.0
+    while True:
+        m = scrape(base_url)
+        now = (m[("dflash_tfm_num_running_requests", ())], m[("dflash_tfm_num_queued_requests", ())])
+        if now == (running, queued):
+            return
+        assert time.monotonic() < deadline, f"(running, queued) = {now}, expected {(running, queued)}"
+        time.sleep(0.02)
+
+
+@contextlib.contextmanager
+def in_thread_server(engine, max_admitted_requests: int) -> Iterator[str]:
+    """The app over `engine` (a fake one, usually) served by uvicorn on a thread of this process; yields its URL."""
+    import threading
+
+    import uvicorn
+
+    from dflash_tfm.server.app import create_app
+    from dflash_tfm.server.args import ServerArgs
+
+    port = free_port()
+    app = create_app(engine, ServerArgs(max_admitted_requests=max_admitted_requests))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
 def in_flight(metrics: dict) -> float:
     """Running + queued requests according to the gauges."""
     return metrics[("dflash_tfm_num_running_requests", ())] + metrics[("dflash_tfm_num_queued_requests", ())]

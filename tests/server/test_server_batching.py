@@ -15,15 +15,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-import uvicorn
 
 from dflash_tfm import SamplingParams
 from dflash_tfm.engine.result import GenerationStats
 from dflash_tfm.engine.sequence import Sequence, StreamDelta
-from dflash_tfm.server.app import create_app
-from dflash_tfm.server.args import ServerArgs
-from tests.server import (ServerProcess, free_port, launch_server_process, one_torch_thread, reference_engine, scrape,
-                          shared_server, wait_idle)
+from tests.server import (ServerProcess, in_thread_server, launch_server_process, one_torch_thread, reference_engine,
+                          scrape, shared_server, wait_counts, wait_idle)
 from tests.server.test_server_errors import SlowEngine
 
 COMPLETIONS = "/v1/completions"
@@ -144,27 +141,8 @@ class SlowBatchEngine(SlowEngine):
 @pytest.fixture()
 def batch_server() -> Iterator[tuple[str, SlowBatchEngine]]:
     engine = SlowBatchEngine()
-    port = free_port()
-    app = create_app(engine, ServerArgs(max_admitted_requests=3))  # type: ignore[arg-type]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.02)
-    yield f"http://127.0.0.1:{port}", engine
-    server.should_exit = True
-    thread.join(10)
-
-
-def _wait_counts(base_url: str, running: int, queued: int) -> None:
-    deadline = time.monotonic() + 5.0
-    while True:
-        m = scrape(base_url)
-        now = (m[("dflash_tfm_num_running_requests", ())], m[("dflash_tfm_num_queued_requests", ())])
-        if now == (running, queued):
-            return
-        assert time.monotonic() < deadline, f"(running, queued) = {now}, expected {(running, queued)}"
-        time.sleep(0.02)
+    with in_thread_server(engine, max_admitted_requests=3) as url:
+        yield url, engine
 
 
 def test_slots_fill_then_the_queue_then_503_and_a_leaving_client_lets_the_next_in(batch_server) -> None:
@@ -174,18 +152,18 @@ def test_slots_fill_then_the_queue_then_503_and_a_leaving_client_lets_the_next_i
             httpx.stream("POST", f"{url}{COMPLETIONS}", json=body, timeout=30.0) as second:
         lines = first.iter_lines(), second.iter_lines()  # keep references: a collected iterator closes the response
         assert all(next(it).startswith("data: ") for it in lines)
-        _wait_counts(url, 2, 0)  # both decode together
+        wait_counts(url, 2, 0)  # both decode together
         waiting = threading.Thread(target=httpx.post, args=(f"{url}{COMPLETIONS}",),
                                    kwargs={"json": {"prompt": "w", "max_tokens": 2}, "timeout": 30.0})
         waiting.start()
-        _wait_counts(url, 2, 1)  # no free slot: it waits
+        wait_counts(url, 2, 1)  # no free slot: it waits
         r = httpx.post(f"{url}{COMPLETIONS}", json={"prompt": "z", "max_tokens": 2}, timeout=30.0)
         assert r.status_code == 503 and "2 decoding" in r.json()["error"]["message"]
         second.close()  # its client leaves: the waiting request takes the slot and finishes
         waiting.join(10)
         assert not waiting.is_alive() and engine.encode_prompt("w") in engine.prompts
-        _wait_counts(url, 1, 0)
-    _wait_counts(url, 0, 0)
+        wait_counts(url, 1, 0)
+    wait_counts(url, 0, 0)
     assert engine.tokens < 500 and engine.running == []
     assert scrape(url)[("dflash_tfm_max_running_requests", ())] == 2
 
@@ -199,4 +177,4 @@ def test_a_failing_step_fails_its_requests_and_the_worker_serves_on(batch_server
         assert ok.result().status_code in (200, 500)  # it finished before "boom" joined, or failed with it
     r = httpx.post(f"{url}{COMPLETIONS}", json={"prompt": "next", "max_tokens": 3}, timeout=30.0)
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == "xxx"
-    _wait_counts(url, 0, 0)
+    wait_counts(url, 0, 0)

@@ -14,15 +14,12 @@ from types import SimpleNamespace
 import httpx
 import openai
 import pytest
-import uvicorn
 
 from dflash_tfm.engine.engine import StreamDelta
 from dflash_tfm.engine.result import GenerationStats
 from dflash_tfm.sampling_params import SamplingParams
-from dflash_tfm.server.app import create_app
-from dflash_tfm.server.args import ServerArgs
 from dflash_tfm.speculative_config import SpeculativeConfig
-from tests.server import SERVED_NAME, ServerProcess, free_port, in_flight, scrape, shared_server, wait_idle
+from tests.server import SERVED_NAME, ServerProcess, in_flight, in_thread_server, shared_server, wait_counts, wait_idle
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -117,28 +114,8 @@ class SlowEngine:
 @pytest.fixture()
 def fake_server() -> Iterator[tuple[str, SlowEngine]]:
     engine = SlowEngine()
-    port = free_port()
-    app = create_app(engine, ServerArgs(max_admitted_requests=2))  # type: ignore[arg-type]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.02)
-    yield f"http://127.0.0.1:{port}", engine
-    server.should_exit = True
-    thread.join(10)
-
-
-def _wait(base_url: str, running: int, queued: int) -> None:
-    """Poll the gauges until (running, queued) is reached; fail after 5 s."""
-    deadline = time.monotonic() + 5.0
-    while True:
-        m = scrape(base_url)
-        now = (m[("dflash_tfm_num_running_requests", ())], m[("dflash_tfm_num_queued_requests", ())])
-        if now == (running, queued):
-            return
-        assert time.monotonic() < deadline, f"(running, queued) = {now}, expected {(running, queued)}"
-        time.sleep(0.02)
+    with in_thread_server(engine, max_admitted_requests=2) as url:
+        yield url, engine
 
 
 def test_admission_limit_503_and_queued_client_leaving_frees_its_slot(fake_server: tuple[str, SlowEngine]) -> None:
@@ -155,22 +132,22 @@ def test_admission_limit_503_and_queued_client_leaving_frees_its_slot(fake_serve
                       timeout=30.0) as running:
         lines = running.iter_lines()  # keep a reference: a collected iterator closes the response
         assert running.status_code == 200 and next(lines).startswith("data: ")
-        _wait(url, 1, 0)
+        wait_counts(url, 1, 0)
         leaver = threading.Thread(target=impatient)
         leaver.start()
-        _wait(url, 1, 1)  # queued behind the running stream...
+        wait_counts(url, 1, 1)  # queued behind the running stream...
         leaver.join()
         assert gave_up
-        _wait(url, 1, 0)  # ...and gone from the queue as soon as its client left, while the stream still runs
+        wait_counts(url, 1, 0)  # ...and gone from the queue as soon as its client left, while the stream still runs
         waiting = threading.Thread(target=httpx.post, args=(f"{url}{COMPLETIONS}",),
                                    kwargs={"json": {"prompt": "w", "max_tokens": 2}, "timeout": 30.0})
         waiting.start()
-        _wait(url, 1, 1)
+        wait_counts(url, 1, 1)
         r = httpx.post(f"{url}{COMPLETIONS}", json={"prompt": "z", "max_tokens": 2}, timeout=30.0)
         assert r.status_code == 503 and r.headers["retry-after"] == "1"
         assert r.json()["error"]["code"] == 503 and "limit 2" in r.json()["error"]["message"]
     waiting.join(30)
-    _wait(url, 0, 0)
+    wait_counts(url, 0, 0)
     assert engine.encode_prompt("?") not in engine.prompts  # the abandoned queued job never ran
     assert engine.tokens < 500  # the abandoned stream stopped long before its 1000 tokens
     assert httpx.post(f"{url}{COMPLETIONS}", json={"prompt": "ok", "max_tokens": 2}, timeout=30.0).status_code == 200
