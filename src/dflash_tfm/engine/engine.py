@@ -231,7 +231,8 @@ class Engine:
         self._streaming = True
         deltas = self._decode_alone(seq)
         try:
-            yield from deltas
+            for delta in deltas:  # not `yield from`: closing this stream would close `deltas` before the finally
+                yield delta
         finally:
             if lockstep:
                 for _ in deltas:
