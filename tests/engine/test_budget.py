@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from dflash_tfm.engine.budget import BudgetController
+from dflash_tfm.engine.budget import MARGIN, BudgetController
 
 SIZES = (0, 8, 32)
 TIMES = {0: 1.0, 8: 1.5, 32: 3.0}
@@ -67,6 +67,13 @@ def test_probes_that_find_speculation_paying_resume_drafting() -> None:
     assert c.speculating and sizes[-1] == 8  # a paying probe speculates at once, though the gain lags
     assert sizes.count(8) <= 10  # a few probes raise the gain above 1
     assert all(c.wants_draft() and c.choose([0.0, 5.0, 5.0]) == 8 for _ in range(3))
+
+
+def test_a_gain_within_the_margin_does_not_start_drafting() -> None:
+    c = BudgetController(SIZES, TIMES)
+    for _ in range(40):  # (1 + 0.65) / 1.5 = 1.1 x the decode rate: inside the margin
+        c.choose([0.0, 0.65, 0.65] if c.wants_draft() else None)
+    assert 1.0 < c.gain < 1.0 + MARGIN and not c.speculating and c.chosen[8] == 0
 
 
 def test_forget_returns_to_the_state_after_build() -> None:

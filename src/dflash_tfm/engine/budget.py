@@ -10,13 +10,14 @@ scaled by c(b) = EMA(accepted) / EMA(E(b)) over the steps taken at that size.
 Two decisions are made, on two time scales:
 
 * **Whether to keep drafting** (slow). Each draft's best expected rate max_b (1 + c(b) E(b)) / T(b), relative to
-  plain decoding's 1 / T(0), is smoothed into the *gain* of speculation. While the gain exceeds 1 every step
-  drafts. One draft with a poor estimate (a hard token) must not stop speculation: without drafts there is no
-  estimate to resume from, so a per-step choice of 0 that also stopped drafting would trap a request in plain
-  decoding. Once the gain falls to 1 or below (a CPU, a target whose verify is dear, a drafter that never
-  agrees), steps decode plainly and draft only every so often, to see whether speculation pays again: the
-  interval starts where probing costs at most `PROBE_SHARE` of the decode time and doubles after each probe that
-  leaves the gain at or below 1 (up to `MAX_PROBE_INTERVAL`), and each request starts again from the shortest.
+  plain decoding's 1 / T(0), is smoothed into the *gain* of speculation. While the gain exceeds 1 + `MARGIN` (room
+  for the error of step times measured once) every step drafts. One draft with a poor estimate (a hard token) must
+  not stop speculation: without drafts there is no estimate to resume from, so a per-step choice of 0 that also
+  stopped drafting would trap a request in plain decoding. Once the gain falls to 1 + `MARGIN` or below (a CPU, a
+  target whose verify is dear, a drafter that never agrees), steps decode plainly and draft only every so often, to
+  see whether speculation pays again: the interval starts where probing costs at most `PROBE_SHARE` of the decode
+  time and doubles after each probe that leaves the gain there (up to `MAX_PROBE_INTERVAL`), and each request starts
+  again from the shortest.
 * **Which size this step takes** (fast): argmax_b of the expected rate, where size 0 while drafting costs a
   decode step plus the next draft, T(0) + draft.
 
@@ -30,6 +31,10 @@ from collections import Counter
 from collections.abc import Sequence
 
 PRIOR = 0.5  # pseudo-drafts added to both sides of c(b): a few steps cannot swing it far from 1
+# Speculation must promise this much more than plain decoding before steps draft: the step times are measured
+# once, at a short context, and a step's draft and verify grow with the context (on a 2-core CPU the SmolLM2
+# demo's tree steps ran ~15 % dearer than measured, and a gain of 1.05 lost 5-10 % to AR).
+MARGIN = 0.15
 PROBE_SHARE = 0.01
 MAX_PROBE_INTERVAL = 1024
 
@@ -60,7 +65,7 @@ class BudgetController:
 
     @property
     def speculating(self) -> bool:
-        return self._gain is None or self._gain > 1.0
+        return self._gain is None or self._gain > 1.0 + MARGIN
 
     def forget(self) -> None:
         """Drop everything learned from drafts (calibrations, the gain, the counts), keeping the step times: the
@@ -113,8 +118,8 @@ class BudgetController:
             if self.speculating:
                 size = max(self.sizes, key=rates.__getitem__)
                 self._probe_interval = self.probe_every
-            else:  # the draft is paid and no draft follows: speculate only if it beats a plain decode step
-                size = best if sample > 1.0 else 0
+            else:  # the draft is paid and no draft follows: speculate only if it clearly beats a decode step
+                size = best if sample > 1.0 + MARGIN else 0
                 if not was_speculating:
                     self._probe_interval = min(2 * self._probe_interval, MAX_PROBE_INTERVAL)
             self._steps_since_draft = 0
