@@ -12,8 +12,9 @@ step at every proposal size it may choose, and decodes one untimed request reach
 CUDA-graph capture, kernel compilation and tuning stay out of the numbers (``--repeat-check`` times everything twice
 to show it: the two passes should agree within 5 %; a CPU has nothing to warm);
 tok/s = Σ tokens / Σ wall-clock per request, prefill included, as the benchmark harness counts it (BENCHMARK.md);
-sampled runs use seed + prompt index for every algorithm. On a CPU a verify pass costs about its node count in
-compute, so speculative decoding only pays off there with a high τ; the GPU (memory-bound) is where it shines.
+sampled runs use seed + prompt index for every algorithm. On a CPU a tree verify costs more than a decode step
+(in bf16 on a CPU that multiplies it natively a little more, in fp32 about twice as much at 17 nodes), so there
+speculation pays only with a high τ; the GPU (memory-bound) is where it shines.
 
 The tree budget is "auto" by default: each step takes the proposal size (0 = a plain decode step) that maximises
 expected tokens per second from step times measured on this machine, and the table shows the sizes taken and
@@ -50,8 +51,7 @@ if TYPE_CHECKING:
 DEMO_DATASETS = ("mtbench", "humaneval", "gsm8k", "math500")
 ALGORITHMS = ("AR", "DFLASH", "DDTREE", "DFLASH_TFM")
 UNTRAINED = "untrained: τ not meaningful"
-# (prompts per dataset, max new tokens): a CPU run finishes in minutes (there a tree verify costs about its node
-# count in compute, so each speculative step is slow), a GPU run gives steadier numbers.
+# (prompts per dataset, max new tokens): a CPU run finishes in about a minute, a GPU run gives steadier numbers.
 SIZES = {"cpu": (1, 32), "cuda": (10, 256)}
 BLOCK_MARGIN = 16  # room for one draft block past the last generated token
 
@@ -331,7 +331,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None,
                    help="CPU intra-op threads (default: torch's); 1 is often faster on shared, oversubscribed CPUs")
     p.add_argument("--max-model-len", type=int, default=1024,
-                   help="static cache length; on a CPU every tree verify reads all of it, so keep it small")
+                   help="static cache length (memory for the caches)")
     p.add_argument("--dataset-dir", type=Path, default=None, help="extra directory of <dataset>.jsonl prompt files")
     p.add_argument("--json", type=Path, default=None, help="also write the table rows and settings as JSON here")
     return p

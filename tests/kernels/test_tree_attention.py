@@ -55,6 +55,15 @@ def test_reference_matches_path_attention(shape: str, N: int) -> None:
     assert rel_err(o, path_attention(x, parents, L, 0.3)) <= 1e-5
 
 
+def test_reference_with_a_host_length_reads_only_the_used_slots() -> None:
+    """An int cache_len (a CPU decoder's host length) bounds the slots read: garbage past it cannot leak in."""
+    x, parents = make_case(1, 17, 4, 2, 16, 40, "random")
+    for name in ("k_cache", "v_cache"):
+        x[name][:, 25:] = float("nan")
+    o = tree_attention_reference(**x, cache_len=25, scale=0.3)
+    assert rel_err(o, path_attention(x, parents, [25], 0.3)) <= 1e-5
+
+
 @pytest.mark.parametrize("shape, L, splits", [
     ("best_first", [21, 50], 1), ("random", [0, 33], 2), ("binary", 50, 4), ("chain", [64, 3], None)])
 def test_triton_matches_path_attention(shape: str, L, splits: int | None, triton_device: str) -> None:

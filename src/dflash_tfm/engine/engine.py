@@ -30,7 +30,7 @@ from dflash_tfm.engine.model_runner import ModelRunner
 from dflash_tfm.engine.result import GenerationResult, GenerationStats
 from dflash_tfm.engine.sequence import Sequence, StreamDelta
 from dflash_tfm.loading.default_model import DEFAULT_BUNDLE
-from dflash_tfm.loading.loader import load_target, parse_dtype
+from dflash_tfm.loading.loader import auto_dtype, load_target, parse_dtype
 from dflash_tfm.parallel.group import broadcast_object, init_tensor_parallel, tp_rank, tp_size as group_size
 from dflash_tfm.parallel.sharding import Shard
 from dflash_tfm.sampling import make_generator
@@ -59,7 +59,8 @@ class Engine:
     ) -> None:
         """model_path None = the embedded SmolLM2-135M-Instruct; then a speculative config without checkpoint
         paths uses the bundle trained for it (loading.default_model.DEFAULT_BUNDLE).
-        dtype "auto" = bfloat16 on CUDA and float32 on the CPU (CPU bf16 matmuls are slow and inexact).
+        dtype "auto" = bfloat16 on CUDA and on CPUs that multiply bf16 natively, else float32
+        (`loading.loader.auto_dtype`).
         quantization "fp8" holds a BF16 checkpoint's projections in FP8 (loading/fp8_layout.py); FP8 checkpoints
         load as FP8 either way.
         max_model_len defaults to min(the model's context, 32768) and sizes the static caches.
@@ -89,7 +90,7 @@ class Engine:
         if self.device.type == "cuda" and self.device.index is not None:
             torch.cuda.set_device(self.device)  # events, streams and graph captures act on the current device
         if dtype == "auto":
-            dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+            dtype = auto_dtype(self.device)
         self.dtype = parse_dtype(dtype)
         # RoPE tables only need the positions the caches can hold (not e.g. Qwen3.6's 262144).
         loaded = load_target(model_path, self.device, self.dtype, max_positions=max_model_len or DEFAULT_MAX_MODEL_LEN,

@@ -333,8 +333,10 @@ class SpeculativeDecoder:
 
     def _verify(self, size: int) -> None:
         tree = self._trees[size][3]
-        hidden, taps, saved = self.model.verify(tree, self.runner.cache, self._length, self.tap_layers,
-                                                self.gdn_kernel)
+        # Without graphs the committed length is known on the host: attention then reads only the cache's used
+        # slots (a CPU's reference attention would read all of them); a captured graph reads the device length.
+        length = self._length if self.graphs.enabled else self.length
+        hidden, taps, saved = self.model.verify(tree, self.runner.cache, length, self.tap_layers, self.gdn_kernel)
         self._verified[size] = (hidden[0], taps, saved, self.model.logits(hidden[0]))
 
     def _commit(self, params: SamplingParams, size: int) -> None:

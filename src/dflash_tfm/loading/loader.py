@@ -49,6 +49,19 @@ class LoadedTarget:
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
+def native_cpu_bf16() -> bool:
+    """Whether this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX). There bf16 is the fast dtype: on a
+    2-core EPYC with AVX512-BF16 the SmolLM2 lm_head ran 3.0× (1 row) to 4.0× (17 rows) faster than in fp32 and
+    autoregressive decoding 1.6×; without it bf16 matmuls are emulated, slower than fp32."""
+    return any(getattr(torch.cpu, probe, lambda: False)()
+               for probe in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
+
+
+def auto_dtype(device: torch.device) -> torch.dtype:
+    """What dtype "auto" means on `device`: bfloat16 on CUDA and on CPUs with native bf16, float32 elsewhere."""
+    return torch.bfloat16 if device.type == "cuda" or native_cpu_bf16() else torch.float32
+
+
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
     if isinstance(name, torch.dtype):
         return name

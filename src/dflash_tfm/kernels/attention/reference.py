@@ -57,13 +57,15 @@ def tree_attention_reference(
     with ``gate`` (q's shape) ``o · sigmoid(gate)``, computed in fp32 from the rounded o."""
     B, N, H, Hkv, D, S = check_tree_attention_inputs(q, k_cache, v_cache, k_tree, v_tree, ancestor_bitsets, gate)
     scale = D**-0.5 if scale is None else scale
+    if isinstance(cache_len, int):  # slots from cache_len on are masked: reading them only costs (CPU decoding)
+        S, k_cache, v_cache = cache_len, k_cache[:, :cache_len], v_cache[:, :cache_len]
     L = cache_lengths(cache_len, B, q.device)
     in_cache = (torch.arange(S, device=q.device) < L[:, None])[:, None, :].expand(B, N, S)
     mask = torch.cat([in_cache, unpack_bitsets(ancestor_bitsets, N)], dim=-1)       # [B, N, S + N]
-    keys = torch.cat([k_cache, k_tree], dim=1).float().repeat_interleave(H // Hkv, dim=2)
-    values = torch.cat([v_cache, v_tree], dim=1).float().repeat_interleave(H // Hkv, dim=2)
-    o = F.scaled_dot_product_attention(
-        q.float().transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask[:, None], scale=scale)
+    keys = torch.cat([k_cache, k_tree], dim=1).float()
+    values = torch.cat([v_cache, v_tree], dim=1).float()
+    o = F.scaled_dot_product_attention(q.float().transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+                                       attn_mask=mask[:, None], scale=scale, enable_gqa=H != Hkv)
     o = o.transpose(1, 2).to(q.dtype)
     return o if gate is None else sigmoid_gate_reference(o, gate)
 
