@@ -71,8 +71,8 @@ def test_probes_that_find_speculation_paying_resume_drafting() -> None:
 
 def test_a_gain_within_the_margin_does_not_start_drafting() -> None:
     c = BudgetController(SIZES, TIMES)
-    for _ in range(40):  # (1 + 0.65) / 1.5 = 1.1 x the decode rate: inside the margin
-        c.choose([0.0, 0.65, 0.65] if c.wants_draft() else None)
+    for _ in range(40):  # (1 + 0.55) / 1.5 = 1.03 x the decode rate: inside the margin
+        c.choose([0.0, 0.55, 0.55] if c.wants_draft() else None)
     assert 1.0 < c.gain < 1.0 + MARGIN and not c.speculating and c.chosen[8] == 0
 
 
@@ -83,6 +83,18 @@ def test_forget_returns_to_the_state_after_build() -> None:
     c.forget()
     assert c.gain is None and c.calibration(8) == 1.0 and not c.chosen
     assert [c.choose([0.0, 0.0, 0.0] if c.wants_draft() else None) for _ in range(6)] == fresh
+
+
+def test_realised_step_times_replace_the_start_up_measurement() -> None:
+    """A size that grew dearer with the context (its wall times) loses the choice; forget restores the times."""
+    c = BudgetController(SIZES, TIMES, smoothing=0.5)
+    assert c.choose([0.0, 2.0, 6.0]) == 32  # 7 / 3 > 3 / 1.5
+    for _ in range(10):
+        c.observe_seconds(32, 4.0)
+    assert c.step_seconds[32] == pytest.approx(4.0, rel=1e-3) and c.step_seconds[8] == 1.5
+    assert c.choose([0.0, 2.0, 6.0]) == 8  # 7 / 4 < 3 / 1.5
+    c.forget()
+    assert c.step_seconds == TIMES
 
 
 def test_sizes_need_zero_and_times() -> None:

@@ -230,7 +230,10 @@ def test_adaptive_budget_reproduces_greedy_while_sizes_change(target, algo: str)
     decoder = build_decoder(runner_for(model), cfg, spec_config(algo, root, "auto"))
     times = decoder.budget.step_seconds
     assert 0 in times and len(times) >= 4 and all(t > 0 for t in times.values())
+    measured = dict(times)
     assert decode(decoder)[0] == reference  # the controller's own choices
+    taken = decoder.budget.chosen.keys()  # their times now follow the steps' wall times, drafts accounted for
+    assert all(times[b] != measured[b] and times[b] > 0 for b in taken)
     decoder.budget = CyclingBudget(sorted(times))
     tokens, per_step = decode(decoder)
     assert tokens == reference

@@ -1,8 +1,10 @@
 """The adaptive speculation budget: before each step, the proposal size that maximises expected tokens per second.
 
 Every candidate size b (drafts verified below the root; 0 is a plain decode step that drafts nothing) has a step
-time T(b), measured on this machine when the decoder is built (`SpeculativeDecoder.measure_step_times`); a step
-of size b > 0 includes the next step's draft, a plain decode step does not. Each draft gives, for every size at
+time T(b), measured on this machine when the decoder is built (`SpeculativeDecoder.measure_step_times`) and
+then followed by the wall time of the steps taken at that size (`observe_seconds`, smoothed): a step's draft and
+verify grow with the context, and a request's context is not the short one the start-up measured. A step of size
+b > 0 includes the next step's draft, a plain decode step does not. Each draft gives, for every size at
 once, the drafter-side estimate E(b) of the drafts the target would accept (`spec.acceptance_estimate`). Drafters
 are not calibrated and Weaver's trees accept more than the marginals' best-first tree, so each size's estimate is
 scaled by c(b) = EMA(accepted) / EMA(E(b)) over the steps taken at that size.
@@ -31,10 +33,9 @@ from collections import Counter
 from collections.abc import Sequence
 
 PRIOR = 0.5  # pseudo-drafts added to both sides of c(b): a few steps cannot swing it far from 1
-# Speculation must promise this much more than plain decoding before steps draft: the step times are measured
-# once, at a short context, and a step's draft and verify grow with the context (on a 2-core CPU the SmolLM2
-# demo's tree steps ran ~15 % dearer than measured, and a gain of 1.05 lost 5-10 % to AR).
-MARGIN = 0.15
+# Speculation must promise this much more than plain decoding before steps draft: the time of a size not taken
+# lately is an older measurement, and the calibration lags what the drafts are accepting now.
+MARGIN = 0.05
 PROBE_SHARE = 0.01
 MAX_PROBE_INTERVAL = 1024
 
@@ -47,6 +48,7 @@ class BudgetController:
         if 0 not in sizes or set(step_seconds) != set(sizes):
             raise ValueError(f"sizes must include 0 and each needs a step time: {list(sizes)} vs {sorted(step_seconds)}")
         self.sizes = tuple(sorted(sizes))
+        self.measured_seconds = dict(step_seconds)
         self.step_seconds = dict(step_seconds)
         self.draft_seconds = draft_seconds
         self.probe_every = max(probe_every, math.ceil(draft_seconds / (PROBE_SHARE * self.step_seconds[0])))
@@ -68,9 +70,10 @@ class BudgetController:
         return self._gain is None or self._gain > 1.0 + MARGIN
 
     def forget(self) -> None:
-        """Drop everything learned from drafts (calibrations, the gain, the counts), keeping the step times: the
+        """Drop everything learned from steps (calibrations, the gain, the counts, realised step times): the
         state right after the decoder was built (the demo starts each timed pass from it, so a repeated pass
-        makes the same choices)."""
+        starts from the same choices)."""
+        self.step_seconds = dict(self.measured_seconds)
         self._accepted.clear()
         self._predicted.clear()
         self._gain = None
@@ -136,3 +139,11 @@ class BudgetController:
         else:
             self._accepted[size] += a * (accepted - self._accepted[size])
             self._predicted[size] += a * (predicted - self._predicted[size])
+
+    def observe_seconds(self, size: int, seconds: float) -> None:
+        """A step at `size` took `seconds` of wall time, the next step's draft included when it drafts (size 0:
+        without any draft), so T(size) follows the current context. A step cannot run much faster than the
+        start-up's fastest: a time under half of that (a draft's time subtracted from a step that overlapped it)
+        counts as half."""
+        seconds = max(seconds, 0.5 * self.measured_seconds[size])
+        self.step_seconds[size] += self.smoothing * (seconds - self.step_seconds[size])

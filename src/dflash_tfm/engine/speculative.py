@@ -98,6 +98,7 @@ class SpeculativeDecoder:
         self._estimate_host = torch.empty(len(self._sizes), pin_memory=cuda)
         self._estimate_copied = torch.cuda.Event() if cuda else None
         self._predicted = 0.0  # E(b) of the size the current step took
+        self._drafts_made = 0
         self._pending_context: list[tuple[torch.Tensor, int]] = []  # (features [1, T, K*H], start) not yet cached
         self._pending_tokens = 0
         # Outputs passed from phase to phase (under CUDA graphs: the tensors the captured graphs write). Tree and
@@ -142,6 +143,7 @@ class SpeculativeDecoder:
             self._root.copy_(sample(logits, params, generator).view(1))
             self.length = L + 1
             return [int(self._root.item())]
+        start, drafts = time.perf_counter(), self._drafts_made
         with skinny_projections():  # fixed row counts: projections may take their tuned kernels
             size = self._choose_size(L)
             self.last_step_drafts = size
@@ -151,6 +153,10 @@ class SpeculativeDecoder:
                 emitted = self._tree_step(L, size, params, generator)
         if self.budget is not None and self._forced_size is None:
             self.budget.observe(size, self._predicted, len(emitted) - 1)
+            # T(size) counts the next step's draft for a tree step and no draft for a decode step: correct the
+            # wall time by the drafts this step made beyond that
+            extra = self._drafts_made - drafts - (1 if size else 0)
+            self.budget.observe_seconds(size, time.perf_counter() - start - extra * self.budget.draft_seconds)
         return emitted
 
     def _tree_step(self, L: int, size: int, params: SamplingParams, generator: torch.Generator | None) -> list[int]:
@@ -265,6 +271,7 @@ class SpeculativeDecoder:
         """The draft phase for a committed length of at most ``max_length`` (its graph reads a power-of-two
         bucket of drafter slots >= max_length + block)."""
         draft_len = self.runner.bucket(max_length + self.max_depth)
+        self._drafts_made += 1
         with self.timer.phase("draft"):
             self._flush_context()
             self.graphs.run(("draft", draft_len), lambda: self._draft(draft_len))
