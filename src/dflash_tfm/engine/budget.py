@@ -13,8 +13,8 @@ Two decisions are made, on two time scales:
 
 * **Whether to keep drafting** (slow). Each draft's best expected rate max_b (1 + c(b) E(b)) / T(b), relative to
   plain decoding's 1 / T(0), is smoothed into the *gain* of speculation. While the gain exceeds 1 + `MARGIN` (room
-  for the error of step times measured once) every step drafts. One draft with a poor estimate (a hard token) must
-  not stop speculation: without drafts there is no estimate to resume from, so a per-step choice of 0 that also
+  for older step times and a lagging calibration) every step drafts. One draft with a poor estimate (a hard token)
+  must not stop speculation: without drafts there is no estimate to resume from, so a per-step choice of 0 that also
   stopped drafting would trap a request in plain decoding. Once the gain falls to 1 + `MARGIN` or below (a CPU, a
   target whose verify is dear, a drafter that never agrees), steps decode plainly and draft only every so often, to
   see whether speculation pays again: the interval starts where probing costs at most `PROBE_SHARE` of the decode
