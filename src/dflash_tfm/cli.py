@@ -94,8 +94,11 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     args = build_parser().parse_args(argv)
     from dflash_tfm.errors import CheckpointError
+    from dflash_tfm.parallel.launch import launched_by_a_launcher, relaunch
 
     try:
+        if getattr(args, "tp_size", 1) > 1 and not launched_by_a_launcher():  # start the ranks ourselves
+            return relaunch(args.tp_size, "dflash_tfm.cli", argv, args.device)
         return args.func(args)
     except (FileNotFoundError, CheckpointError, ValueError, NotImplementedError) as e:
         print(f"dflash-tfm {args.command}: error: {e}", file=sys.stderr)

@@ -4,8 +4,8 @@ Same flags as the original system's launcher (see `dflash_tfm.server.args`). Fla
 (missing checkpoint, impossible settings) print one `error:` line and exit with status 2 before any port is
 opened, so a benchmark waiting on /health fails fast instead of timing out.
 
-At `--tp-size N` (under `torchrun --nproc-per-node N -m dflash_tfm.launch_server ...`) rank 0 serves HTTP and
-the other ranks follow each request its engine runs (`Engine.follow`).
+At `--tp-size N` the command starts its N ranks itself (`parallel/launch.py`; under `torchrun` it is one of
+them): rank 0 serves HTTP and the other ranks follow each request its engine runs (`Engine.follow`).
 """
 from __future__ import annotations
 
@@ -18,7 +18,17 @@ logger = logging.getLogger("dflash_tfm.server")
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     args = parse_server_args(argv)
+    if args.tp_size > 1:
+        from dflash_tfm.parallel.launch import launched_by_a_launcher, relaunch
+
+        if not launched_by_a_launcher():  # one process per rank, started here; rank 0 serves
+            try:
+                return relaunch(args.tp_size, "dflash_tfm.launch_server", argv, args.device)
+            except ValueError as e:
+                print(f"launch_server: error: {e}", file=sys.stderr)
+                return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log_start_warnings(args)
 

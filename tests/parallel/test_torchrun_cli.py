@@ -1,6 +1,6 @@
 """`torchrun --nproc-per-node 2 -m dflash_tfm.cli generate --tp-size 2`: two gloo processes, rank 0 prints the
-same text as one process at --tp-size 1, the others print nothing; a --tp-size the launch does not match is one
-line naming the flag."""
+same text as one process at --tp-size 1, the others print nothing; without torchrun the command starts its ranks
+itself; a --tp-size the launch or the machine cannot give is one line naming the flag."""
 from __future__ import annotations
 
 import os
@@ -37,7 +37,29 @@ def test_torchrun_tp2_prints_what_tp1_prints(tmp_path) -> None:
     assert split.stderr.count("tok/s") == 1  # rank 0 alone reports
 
 
-def test_tp_size_without_its_processes_is_one_line_error(capsys) -> None:
+def test_tp2_starts_its_own_ranks_and_prints_what_torchrun_prints(tmp_path) -> None:
+    """Without a launcher, `generate --tp-size 2` starts its two ranks itself: the same output as under torchrun."""
+    path = save_tiny_chat_model(tmp_path)
+    args = ["--model-path", str(path), "--device", "cpu", "--prompt", "hello world", "--max-new-tokens", "12"]
+    single = generate([*args, "--tp-size", "1"], [sys.executable])
+    own = generate([*args, "--tp-size", "2"], [sys.executable])
+    assert own.returncode == 0, own.stderr
+    assert own.stdout == single.stdout and single.stdout.strip()
+    assert own.stderr.count("tok/s") == 1
+
+
+def test_tp_size_unlike_the_launch_is_one_line_error(capsys, monkeypatch) -> None:
+    monkeypatch.setenv("WORLD_SIZE", "3")  # a launcher started 3 processes
     assert main(["generate", "--prompt", "x", "--device", "cpu", "--tp-size", "2"]) == 2
     err = capsys.readouterr().err
-    assert "--tp-size 2 needs 2 processes" in err and "torchrun" in err and "Traceback" not in err
+    assert "--tp-size 2 needs 2 processes" in err and "WORLD_SIZE is 3" in err and "Traceback" not in err
+
+
+def test_tp_size_beyond_the_gpus_is_one_line_error(capsys) -> None:
+    import torch
+
+    gpus = torch.cuda.device_count()
+    tp = max(2, gpus + 1)
+    assert main(["generate", "--prompt", "x", "--device", "cuda", "--tp-size", str(tp)]) == 2
+    err = capsys.readouterr().err
+    assert f"--tp-size {tp} needs {tp} GPUs, this machine has {gpus}" in err and "Traceback" not in err

@@ -1,4 +1,4 @@
-"""The server at --tp-size 2 under torchrun: rank 0 serves HTTP, rank 1 follows each request. Greedy /generate
+"""The server at --tp-size 2, which starts its two ranks: rank 0 serves HTTP, rank 1 follows each request. Greedy /generate
 equals the tp 1 engine's tokens, before and after a streamed request that the client abandons early (rank 0
 then decodes it to its end silently, so the ranks stay in lockstep for the next request)."""
 from __future__ import annotations
@@ -40,8 +40,8 @@ def server(checkpoints):
     path, drafter = checkpoints
     port = free_port()
     log = tempfile.NamedTemporaryFile("w+", suffix=".log")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "dflash_tfm.launch_server", "--tp-size", "2", "--model-path", str(path), "--device", "cpu",
+    cmd = [sys.executable, "-m", "dflash_tfm.launch_server", "--tp-size", "2",  # it starts its two ranks
+           "--model-path", str(path), "--device", "cpu",
            "--dtype", "float32", "--max-model-len", "256", "--host", "127.0.0.1", "--port", str(port),
            "--log-level", "warning", "--speculative-algorithm", "DDTREE", "--speculative-draft-model-path",
            str(drafter), "--speculative-tree-budget", "8"]
@@ -59,8 +59,17 @@ def server(checkpoints):
                 time.sleep(0.5)
         yield url
     finally:
-        proc.terminate()
+        proc.terminate()  # goes on to the ranks: none may keep serving the port
         proc.wait(30)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                httpx.get(f"{url}/health", timeout=1.0)
+                time.sleep(0.5)
+            except httpx.TransportError:
+                break
+        else:
+            pytest.fail("a rank still serves after the server was stopped")
 
 
 def generate(url: str, ids: list[int]) -> list[int]:

@@ -22,7 +22,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--disable-cuda-graph", action="store_true")
     p.add_argument("--tp-size", type=int, default=1,
                    help="tensor parallelism: split the target over N processes, one per GPU (NCCL) or CPU process "
-                        "(gloo); launch with `torchrun --nproc-per-node N -m dflash_tfm.cli generate --tp-size N ...`")
+                        "(gloo); the command starts the N processes itself (or runs as one of them under torchrun)")
     add_speculative_args(p)
 
 

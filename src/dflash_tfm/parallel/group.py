@@ -1,5 +1,6 @@
-"""The tensor-parallel process group: one process per rank, started by `torchrun` (or any launcher that sets
-RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT) or given explicitly by a test.
+"""The tensor-parallel process group: one process per rank, started by the command itself (`parallel/launch.py`),
+by `torchrun` (or any launcher that sets RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT) or given explicitly by a
+test.
 
 The group is process-wide state, as in vLLM and SGLang: the decoder's row-parallel projections call
 `all_reduce` without being handed a group, and at tp 1 (no group set up) `all_reduce` returns its input at the
@@ -29,8 +30,8 @@ def init_tensor_parallel(tp_size: int, device_type: str, rank: int | None = None
         raise ValueError(f"a tensor-parallel group needs --tp-size 2 or more, got {tp_size} (1 needs no group)")
     world = int(os.environ.get("WORLD_SIZE", tp_size if init_method else 1))
     if world != tp_size:
-        raise ValueError(f"--tp-size {tp_size} needs {tp_size} processes, but WORLD_SIZE is {world}: launch with "
-                         f"`torchrun --nproc-per-node {tp_size} -m dflash_tfm.cli ...`")
+        raise ValueError(f"--tp-size {tp_size} needs {tp_size} processes, but WORLD_SIZE is {world}: run the "
+                         f"command without a launcher (it starts its ranks) or with `--nproc-per-node {tp_size}`")
     rank = int(os.environ.get("RANK", 0)) if rank is None else rank
     backend = "nccl" if device_type == "cuda" else "gloo"
     if not dist.is_initialized():
