@@ -43,8 +43,15 @@ def read_cells(paths: list[Path]) -> dict[tuple[float, int | None, str], dict[st
     return cells
 
 
+def cell_text(row: dict, usual: int) -> str:
+    """τ, its exact expectation in brackets where measured ("2.14 [2.11]"), and the prompt count if unusual."""
+    expected = "" if row.get("expected_tau") is None else f" [{row['expected_tau']:.2f}]"
+    return f"{row['tau']:.2f}{expected}" + ("" if row["prompts"] == usual else f" (n={row['prompts']})")
+
+
 def table(cells: dict, datasets: list[str]) -> str:
-    """Markdown; a cell measured on another number of prompts than most says so: "2.02 (n=5)"."""
+    """Markdown; a cell measured on another number of prompts than most says so: "2.02 (n=5)"; the exact
+    expected τ given the verified trees follows in brackets where the run measured it."""
     counts = [row["prompts"] for per in cells.values() for row in per.values()]
     usual = max(set(counts), key=counts.count)
     lines = ["| T | budget | algorithm | " + " | ".join(datasets) + " | macro avg |",
@@ -54,8 +61,10 @@ def table(cells: dict, datasets: list[str]) -> str:
         per = cells[(temperature, budget, algorithm)]
         taus = [per[d]["tau"] for d in datasets if d in per]
         macro = f"{sum(taus) / len(taus):.2f}" + ("" if len(taus) == len(datasets) else f" ({len(taus)} sets)")
-        values = [f"{per[d]['tau']:.2f}" + ("" if per[d]["prompts"] == usual else f" (n={per[d]['prompts']})")
-                  if d in per else "–" for d in datasets]
+        expected = [per[d].get("expected_tau") for d in datasets if d in per]
+        if expected and None not in expected:
+            macro += f" [{sum(expected) / len(expected):.2f}]"
+        values = [cell_text(per[d], usual) if d in per else "–" for d in datasets]
         lines.append(f"| {temperature:g} | {budget or '–'} | {algorithm} | " + " | ".join(values) + f" | {macro} |")
     return "\n".join(lines)
 

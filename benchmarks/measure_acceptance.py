@@ -4,7 +4,9 @@ The numbers behind the acceptance table in docs/TRAINING.md (a script, not a tes
 held-out prompts from the harness's datasets (the same seeded subsample as the benchmark); every (temperature,
 budget) pair is decoded with the demo's own loop (``dflash_tfm.demo.run_algorithms``), so demo and table measure
 the same thing. Budget-independent algorithms (AR, DFLASH) run with the first budget only. A JSON line per
-finished (dataset, algorithm) cell is appended to --out at once, so a run cut short by a time limit keeps what
+finished (dataset, algorithm) cell is appended to --out at once, with τ and its exact expectation given the
+verified trees (``expected_tau``: each step's accepted drafts replaced by the sum over its tree of the target's
+path probabilities, free of the sampling noise, so close algorithms compare at T = 1), so a run cut short by a time limit keeps what
 it measured; run one process per dataset to use a GPU's idle capacity.
 
     python -m benchmarks.measure_acceptance --bundle DIR --datasets gsm8k --temperatures 0 1 --budgets 16 32 64 \
@@ -63,17 +65,19 @@ def main() -> None:
                 row = {"dataset": cell.dataset, "algorithm": cell.algorithm, "temperature": temperature,
                        "budget": None if cell.algorithm in BUDGET_FREE else budget, "prompts": len(cell.taus),
                        "tokens": cell.tokens, "tau": cell.tau, "tok_s": cell.tok_s, "taus": cell.taus,
+                       "expected_tau": cell.expected_tau, "expected_taus": cell.expected_taus,
                        "max_new_tokens": args.max_new_tokens, "device": str(device), "dtype": str(engine.dtype)}
                 if cell.algorithm == "DFLASH_TFM":
                     row["children_per_node"] = args.children_per_node
                 with args.out.open("a", encoding="utf-8") as f:
                     f.write(json.dumps(row) + "\n")
-                print(f"T={temperature} budget={budget} {cell.dataset} {cell.algorithm}: tau {cell.tau:.2f}, "
+                expected = "" if cell.expected_tau is None else f" (expected {cell.expected_tau:.2f})"
+                print(f"T={temperature} budget={budget} {cell.dataset} {cell.algorithm}: tau {cell.tau:.2f}{expected}, "
                       f"{cell.tok_s:.1f} tok/s", flush=True)
 
             run_algorithms(engine, bundle, prompts, max_new_tokens=args.max_new_tokens, temperature=temperature,
                            budget=budget, seed=args.seed, algorithms=algorithms, on_cell=write, progress=False,
-                           children_per_node=args.children_per_node)
+                           children_per_node=args.children_per_node, track_expected=True)
 
 
 if __name__ == "__main__":

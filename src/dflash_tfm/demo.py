@@ -144,11 +144,14 @@ class Cell:
     phase_seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
     sizes: dict[int, int] = field(default_factory=dict)  # decode steps per proposal size
     repeat_seconds: float | None = None  # the same requests timed again (--repeat-check)
+    expected_taus: list[float] = field(default_factory=list)  # per request, when the decoder tracks them
 
     def add(self, stats, seconds: float) -> None:
         self.seconds += seconds
         self.tokens += stats.completion_tokens
         self.taus.append(stats.accept_length)
+        if stats.expected_accept_length is not None:
+            self.expected_taus.append(stats.expected_accept_length)
         self.steps += stats.verify_steps - 1  # the prefill made the first token
         for phase in PHASES:
             self.phase_seconds[phase] += getattr(stats, f"{phase}_seconds")
@@ -170,6 +173,11 @@ class Cell:
     @property
     def tau(self) -> float:
         return sum(self.taus) / len(self.taus) if self.taus else 0.0
+
+    @property
+    def expected_tau(self) -> float | None:
+        """τ with accepted drafts replaced by their exact expectation (`GenerationStats.expected_accept_length`)."""
+        return sum(self.expected_taus) / len(self.expected_taus) if self.expected_taus else None
 
     @property
     def tok_s(self) -> float:
@@ -198,12 +206,13 @@ def warm_up(engine: Engine, texts: list[str], max_new_tokens: int, temperature: 
 def run_algorithms(
     engine: Engine, bundle: Bundle, prompts: dict[str, list[str]], *, max_new_tokens: int, temperature: float,
     budget: int | str, seed: int, algorithms: list[str] | None = None, on_cell: Callable[[Cell], None] | None = None,
-    progress: bool = True, children_per_node: int | None = None, repeat: bool = False,
+    progress: bool = True, children_per_node: int | None = None, repeat: bool = False, track_expected: bool = False,
 ) -> list[Cell]:
     """Decode every prompt with every algorithm the bundle allows (or those of ``algorithms`` it allows), one
     decoder at a time on one target; ``on_cell`` sees each finished (dataset, algorithm) cell.
     ``children_per_node``: DFLASH_TFM's tree width (None: the engine default). ``repeat``: time each cell's
-    requests a second time into ``Cell.repeat_seconds`` (the same seeds: the same tokens)."""
+    requests a second time into ``Cell.repeat_seconds`` (the same seeds: the same tokens). ``track_expected``:
+    the speculative decoders also sum each tree's exact expected acceptance (``Cell.expected_taus``)."""
     from dflash_tfm import SamplingParams, SpeculativeConfig
     from dflash_tfm.engine.decoder_factory import build_decoder
 
@@ -217,6 +226,8 @@ def run_algorithms(
                 algo, bundle.dflash, bundle.weaver if algo == "DFLASH_TFM" else None, budget,
                 **({} if children_per_node is None else {"children_per_node": children_per_node}))
             engine.decoder = build_decoder(engine.runner, engine.config, spec)
+            if track_expected and algo != "AR":
+                engine.decoder.track_expected = True
             if every_text and engine.device.type == "cuda":
                 warm_up(engine, every_text, max_new_tokens, temperature, seed)
             for dataset, texts in prompts.items():

@@ -34,3 +34,11 @@ def test_a_wider_weaver_tree_is_its_own_row(tmp_path: Path) -> None:
     (tmp_path / "w.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     md = table(read_cells([tmp_path / "w.jsonl"]), ["gsm8k"])
     assert "| 1 | 64 | DFLASH_TFM c8 | 1.80 | 1.80 |" in md and "| 1 | 64 | DFLASH_TFM | 2.00 | 2.00 |" in md
+
+
+def test_expected_tau_follows_in_brackets(tmp_path: Path) -> None:
+    rows = [{"dataset": d, "algorithm": "DDTREE", "temperature": 1.0, "budget": 64, "tau": tau, "prompts": 20,
+             "expected_tau": expected} for d, tau, expected in (("gsm8k", 2.0, 2.1), ("mtbench", 1.5, 1.4))]
+    (tmp_path / "e.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    md = table(read_cells([tmp_path / "e.jsonl"]), ["gsm8k", "mtbench"])
+    assert "| 1 | 64 | DDTREE | 2.00 [2.10] | 1.50 [1.40] | 1.75 [1.75] |" in md

@@ -86,6 +86,29 @@ def test_random_drafters_reproduce_greedy(target, algo: str, budget: int) -> Non
     assert decode(decoder)[0] == greedy_reference(model)
 
 
+@pytest.mark.parametrize("algo", ["DDTREE", "DFLASH_TFM"])
+def test_tracked_expected_acceptance_is_exact_when_greedy_and_unbiased_when_sampling(target, algo: str) -> None:
+    """`track_expected`: greedy, the expectation is the realised count (every draw is certain); at T = 1 the
+    realised accepted drafts over many seeded requests scatter around the sum of the expectations."""
+    cfg, model, root = target
+    decoder = build_decoder(runner_for(model), cfg, spec_config(algo, root, 16))
+    decoder.track_expected = True
+    accepted = 0
+    decoder.prefill(PROMPT, GREEDY, None)
+    for _ in range(6):
+        accepted += len(decoder.step(GREEDY, None)) - 1
+    assert decoder.expected_drafts() == pytest.approx(accepted, abs=1e-4)
+    params = SamplingParams(temperature=1.0)
+    realised = expected = 0.0
+    for seed in range(24):
+        generator = torch.Generator().manual_seed(seed)
+        decoder.prefill(PROMPT, params, generator)
+        for _ in range(4):
+            realised += len(decoder.step(params, generator)) - 1
+        expected += decoder.expected_drafts()
+    assert expected > 5 and abs(realised - expected) < 4 * expected ** 0.5  # Poisson-like spread, 4 sigma
+
+
 @pytest.mark.parametrize("algo", ["DFLASH", "DFLASH_TFM"])
 def test_drafting_ahead_of_the_host_read_reproduces_greedy(target, algo: str) -> None:
     """draft_ahead (the CUDA default; off on the CPU): each step's draft is enqueued by the step before, for a

@@ -33,3 +33,6 @@ class AutoregressiveDecoder:
 
     def phase_seconds(self) -> dict[str, float]:
         return {}
+
+    def expected_drafts(self) -> float | None:
+        return None  # nothing is drafted

@@ -266,6 +266,7 @@ class Engine:
                 if seq.finished:
                     for phase, seconds in self.decoder.phase_seconds().items():
                         setattr(stats, f"{phase}_seconds", seconds)
+                    stats.expected_accepted_draft_tokens = self.decoder.expected_drafts()
                 yield delta
                 if seq.finished:
                     return

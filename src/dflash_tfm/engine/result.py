@@ -14,7 +14,8 @@ class GenerationStats:
     draft_tokens counts the tokens proposed for verification (tree nodes below the root, summed over steps) and
     accepted_draft_tokens those of them the target accepted (each step also yields one token of its own);
     draft_sizes counts the decode steps by proposal size (0: a plain decode step), which an adaptive budget
-    chooses per step.
+    chooses per step. expected_accepted_draft_tokens, when the decoder tracks it (benchmarks), is what the
+    accepted drafts are in expectation under the target, given the trees the request verified.
     """
 
     prompt_tokens: int = 0
@@ -29,10 +30,19 @@ class GenerationStats:
     tree_seconds: float = 0.0
     verify_seconds: float = 0.0
     commit_seconds: float = 0.0
+    expected_accepted_draft_tokens: float | None = None
 
     @property
     def accept_length(self) -> float:
         return self.completion_tokens / self.verify_steps if self.verify_steps else 0.0
+
+    @property
+    def expected_accept_length(self) -> float | None:
+        """τ with each step's accepted drafts replaced by their expectation (None when not tracked). Equal to
+        `accept_length` in expectation, up to a cut at the token limit or a stop."""
+        if self.expected_accepted_draft_tokens is None or not self.verify_steps:
+            return None
+        return (self.verify_steps + self.expected_accepted_draft_tokens) / self.verify_steps
 
     @property
     def decode_tokens_per_second(self) -> float:

@@ -37,7 +37,7 @@ from dflash_tfm.parallel.group import broadcast_object
 from dflash_tfm.sampling import sample
 from dflash_tfm.sampling_params import SamplingParams
 from dflash_tfm.spec.acceptance_estimate import expected_accepted_by_size
-from dflash_tfm.spec.accept import accept_tree, target_draws
+from dflash_tfm.spec.accept import accept_tree, expected_accepted, target_draws
 from dflash_tfm.tree import TreeSpec
 
 CONTEXT_HOLD_TOKENS = 2048  # context features held for the drafter at most (one prefill chunk's worth)
@@ -84,6 +84,10 @@ class SpeculativeDecoder:
         self.last_step_drafts = 0  # tokens the last step proposed for verification (0 for a plain decode step)
         device = runner.device
         self._length = torch.zeros(1, dtype=torch.long, device=device)
+        # Benchmarks only (`track_expected`, set before the first step): the exact expected accepted drafts of
+        # every verified tree, summed over the request on the device (see `expected_drafts`).
+        self.track_expected = False
+        self._expected_total = torch.zeros((), device=device)
         self._root = torch.zeros(1, dtype=torch.long, device=device)
         self._h_last = torch.zeros(self.model.config.hidden_size, dtype=runner.dtype, device=device)
         self._uniforms = torch.zeros(max(p.num_nodes for p in self.proposers.values()), device=device)
@@ -112,6 +116,11 @@ class SpeculativeDecoder:
     def phase_seconds(self) -> dict[str, float]:
         return self.timer.collect()
 
+    def expected_drafts(self) -> float | None:
+        """With `track_expected`: the request's sum over its tree steps of the drafts acceptance takes in
+        expectation under the target (`spec.accept.expected_accepted`; free of the draws' noise); else None."""
+        return float(self._expected_total) if self.track_expected else None
+
     @torch.inference_mode()
     def prefill(self, prompt_ids: list[int], params: SamplingParams, generator: torch.Generator | None) -> int:
         """Target prefill that also feeds the drafter its context features; returns the first token."""
@@ -122,6 +131,7 @@ class SpeculativeDecoder:
         self._drafted = False
         self._pending_context.clear()
         self._pending_tokens = 0
+        self._expected_total.zero_()
         logits, hidden = self.runner.prefill(
             torch.tensor(prompt_ids, dtype=torch.long), tap_layers=self.tap_layers,
             on_taps=lambda taps, start: self._defer_context(torch.cat(taps, dim=-1), start),
@@ -170,7 +180,8 @@ class SpeculativeDecoder:
         with t.phase("verify"):
             self.graphs.run(("verify", size), lambda: self._verify(size))
         with t.phase("commit"):
-            self.graphs.run(("commit", sampling, size), lambda: self._commit(params, size), advances_state=True)
+            self.graphs.run(("commit", sampling, size, self.track_expected), lambda: self._commit(params, size),
+                            advances_state=True)
             self._stage_emitted()
         # The next step's draft, for a committed length of at most L + block: enqueued before the read.
         self._drafted = (self.draft_ahead and L + self.block + self.max_depth + 1 <= self.runner.max_len
@@ -355,6 +366,8 @@ class SpeculativeDecoder:
         hidden, taps, saved, logits = self._verified[size]
         draws = target_draws(logits, params, self._uniforms)
         acc = accept_tree(tokens, parents, depths, tree.ancestor_mask()[0], draws, self.max_depth)
+        if self.track_expected:
+            self._expected_total.add_(expected_accepted(logits, tokens, parents, tree.ancestor_mask()[0], params))
         self.model.commit(self.runner.cache, self._length, tree, saved, acc.accepted.view(1, -1), acc.path.view(1, -1))
         on_path = torch.where(acc.path >= 0, acc.path, acc.last)  # padding repeats the last node: scratch slots
         self.drafter.append_context(torch.cat(taps, dim=-1)[:, on_path], self._length)  # one gather for all taps
