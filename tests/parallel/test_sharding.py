@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from dflash_tfm.config import ModelConfig
-from dflash_tfm.parallel.sharding import Shard, shard_config
+from dflash_tfm.loading.loader import build_model
+from dflash_tfm.parallel.sharding import Shard, shard_config, vocab_rows
 
 from ..models.tiny_targets import build_hf_model
 
@@ -35,3 +37,13 @@ def test_a_size_that_does_not_divide_is_refused_naming_the_field(arch: str, tp: 
     with pytest.raises(ValueError, match=field) as err:
         shard_config(config(arch), tp)
     assert "--tp-size" in str(err.value)
+
+
+@pytest.mark.parametrize("arch, tp", [("llama", 4), ("qwen3_5_text", 2)])
+def test_embedding_and_lm_head_split_by_vocabulary_rows_where_tp_divides_it(arch: str, tp: int) -> None:
+    """A rank holds V / tp rows of each (tied or not); a vocabulary tp does not divide stays whole on every rank."""
+    cfg = config(arch)
+    model = build_model(cfg, torch.device("cpu"), torch.float32, 64, tp_size=tp)
+    assert model.embed_tokens.shape == (cfg.vocab_size // tp, cfg.hidden_size)
+    assert model.lm_head_weight.shape == model.embed_tokens.shape and model.config.vocab_size == cfg.vocab_size
+    assert vocab_rows(160, 4) == 40 and vocab_rows(161, 2) == 161 and vocab_rows(160, 1) == 160

@@ -26,8 +26,8 @@ def test_torchrun_tp2_prints_what_tp1_prints(tmp_path) -> None:
     cfg = ModelConfig.from_dict(open_checkpoint(path)[1])
     drafter = write_random_dflash_checkpoint(tmp_path / "dflash", cfg, block_size=8,
                                              target_layer_ids=[0, cfg.num_layers - 1])
-    args = ["--model-path", str(path), "--device", "cpu", "--prompt", "hello world how many", "--max-new-tokens",
-            "24", "--speculative-algorithm", "DDTREE", "--speculative-draft-model-path", str(drafter)]
+    args = ["--model-path", str(path), "--device", "cpu", "--dtype", "float32", "--prompt", "hello world how many",
+            "--max-new-tokens", "24", "--speculative-algorithm", "DDTREE", "--speculative-draft-model-path", str(drafter)]
     single = generate([*args, "--tp-size", "1"], [sys.executable])
     assert single.returncode == 0, single.stderr
     split = generate([*args, "--tp-size", "2"],
@@ -40,11 +40,12 @@ def test_torchrun_tp2_prints_what_tp1_prints(tmp_path) -> None:
 def test_tp2_starts_its_own_ranks_and_prints_what_torchrun_prints(tmp_path) -> None:
     """Without a launcher, `generate --tp-size 2` starts its two ranks itself: the same output as under torchrun."""
     path = save_tiny_chat_model(tmp_path)
-    args = ["--model-path", str(path), "--device", "cpu", "--prompt", "hello world", "--max-new-tokens", "12"]
+    args = ["--model-path", str(path), "--device", "cpu", "--dtype", "float32", "--prompt", "hello world",
+            "--max-new-tokens", "12"]
     single = generate([*args, "--tp-size", "1"], [sys.executable])
     own = generate([*args, "--tp-size", "2"], [sys.executable])
     assert own.returncode == 0, own.stderr
-    assert own.stdout == single.stdout and single.stdout.strip()
+    assert own.stdout == single.stdout and single.stdout.strip(), (own.stdout, single.stdout, own.stderr)
     assert own.stderr.count("tok/s") == 1
 
 

@@ -33,7 +33,7 @@ from dflash_tfm.engine.model_runner import ModelRunner
 from dflash_tfm.engine.phase_graphs import PhaseGraphs
 from dflash_tfm.engine.phase_timer import PhaseTimer
 from dflash_tfm.layers.linear import skinny_projections
-from dflash_tfm.parallel.group import broadcast_object
+from dflash_tfm.parallel.group import broadcast_object, tp_size
 from dflash_tfm.sampling import sample
 from dflash_tfm.sampling_params import SamplingParams
 from dflash_tfm.spec.acceptance_estimate import expected_accepted_by_size
@@ -163,10 +163,11 @@ class SpeculativeDecoder:
                 emitted = self._tree_step(L, size, params, generator)
         if self.budget is not None and self._forced_size is None:
             self.budget.observe(size, self._predicted, len(emitted) - 1)
-            # T(size) counts the next step's draft for a tree step and no draft for a decode step: correct the
-            # wall time by the drafts this step made beyond that
-            extra = self._drafts_made - drafts - (1 if size else 0)
-            self.budget.observe_seconds(size, time.perf_counter() - start - extra * self.budget.draft_seconds)
+            if tp_size() == 1:  # tensor-parallel ranks keep rank 0's start-up times: their choices must agree
+                # T(size) counts the next step's draft for a tree step and no draft for a decode step: correct
+                # the wall time by the drafts this step made beyond that
+                extra = self._drafts_made - drafts - (1 if size else 0)
+                self.budget.observe_seconds(size, time.perf_counter() - start - extra * self.budget.draft_seconds)
         return emitted
 
     def _tree_step(self, L: int, size: int, params: SamplingParams, generator: torch.Generator | None) -> list[int]:

@@ -20,7 +20,7 @@ from typing import Callable, Collection
 import torch
 
 from dflash_tfm.config import FULL_ATTENTION, ModelConfig
-from dflash_tfm.parallel.sharding import Part, Shard, shard_config
+from dflash_tfm.parallel.sharding import Part, Shard, shard_config, vocab_rows
 
 # (our parameter name, first row in it, the rows to write there); a parameter with more than two dims counts
 # rows over all but its last dim ([E, 2I, H]: E · 2I rows of H), as do the rows written.
@@ -49,13 +49,14 @@ def expected_tensors(cfg: ModelConfig, stored: Collection[str] = (), shard: Shar
     """Map of checkpoint tensor name -> spec for every tensor the model needs. `stored` (the checkpoint's tensor
     names) picks each mixture-of-experts layer's expert layout: fused when it holds that layer's fused tensors,
     else one tensor per expert. `shard` is this rank's place among the tensor-parallel ranks."""
-    H, p = cfg.hidden_size, cfg.weight_prefix
+    H, p, V = cfg.hidden_size, cfg.weight_prefix, cfg.vocab_size
+    vocab_part = shard.part(0, shard.block(V)) if vocab_rows(V, shard.size) < V else None  # vocab-parallel rows
     specs: dict[str, TensorSpec] = {
-        f"{p}embed_tokens.weight": TensorSpec((cfg.vocab_size, H), _to("embed_tokens")),
+        f"{p}embed_tokens.weight": TensorSpec((V, H), _to("embed_tokens"), vocab_part),
         f"{p}norm.weight": TensorSpec((H,), _to("norm.weight")),
     }
     if not cfg.tie_word_embeddings:
-        specs["lm_head.weight"] = TensorSpec((cfg.vocab_size, H), _to("lm_head"))
+        specs["lm_head.weight"] = TensorSpec((V, H), _to("lm_head"), vocab_part)
     for i, layer_type in enumerate(cfg.layer_types):
         src, dst = f"{p}layers.{i}.", f"layers.{i}."
         specs[f"{src}input_layernorm.weight"] = TensorSpec((H,), _to(f"{dst}input_norm.weight"))

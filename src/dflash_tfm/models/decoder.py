@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from dflash_tfm.config import FULL_ATTENTION, ModelConfig
@@ -29,9 +28,10 @@ from dflash_tfm.layers.mlp import SwiGLU, silu_and_mul
 from dflash_tfm.layers.moe import SparseMoE
 from dflash_tfm.layers.norm import RMSNorm
 from dflash_tfm.layers.rotary import RotaryEmbedding
+from dflash_tfm.layers.vocab_parallel import vocab_embedding, vocab_logits
 from dflash_tfm.models.cache import ModelCache
 from dflash_tfm.parallel.group import all_reduce
-from dflash_tfm.parallel.sharding import shard_config
+from dflash_tfm.parallel.sharding import shard_config, vocab_rows
 from dflash_tfm.tree import TreeSpec
 
 
@@ -75,10 +75,11 @@ class CausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, max_positions: int, tp_size: int = 1) -> None:
         super().__init__()
         cfg = self.config = shard_config(cfg, tp_size)
-        self.embed_tokens = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size))
+        rows = vocab_rows(cfg.vocab_size, tp_size)  # split by vocabulary rows where tp divides V
+        self.embed_tokens = nn.Parameter(torch.empty(rows, cfg.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_plus_one)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size))
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Parameter(torch.empty(rows, cfg.hidden_size))
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.rotary_dim, cfg.rope, max_positions, "target")
 
     @property
@@ -106,7 +107,7 @@ class CausalLM(nn.Module):
             state, window = cache.gdn[i]
             return all_reduce(layer.mixer(proj, state, window))
 
-        return self._run_layers(F.embedding(input_ids, self.embed_tokens), mixer, tap_layers)
+        return self._run_layers(self.embed(input_ids), mixer, tap_layers)
 
     def _run_layers(
         self, h: torch.Tensor, mixer: Callable[[int, "DecoderLayer", torch.Tensor], torch.Tensor],
@@ -151,7 +152,7 @@ class CausalLM(nn.Module):
                                                    keep=None if stacks is None else stacks.layer(i))
             return all_reduce(out)
 
-        hidden, taps = self._run_layers(F.embedding(tree.tokens, self.embed_tokens), mixer, tap_layers)
+        hidden, taps = self._run_layers(self.embed(tree.tokens), mixer, tap_layers)
         return hidden, taps, saved
 
     def commit(
@@ -170,6 +171,10 @@ class CausalLM(nn.Module):
             commit_gdn_layers(cache.states, cache.windows, [saved.layers[i] for i in cache.gdn_layers], tree.parents,
                               accepted, saved.gdn_stacks)
 
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Token ids -> input embeddings (vocab-parallel at tp > 1: `layers/vocab_parallel.py`)."""
+        return vocab_embedding(ids, self.embed_tokens, self.config.vocab_size)
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Final-normed hidden [..., hidden] -> fp32 logits [..., V]."""
-        return linear(hidden, self.lm_head_weight).float()
+        """Final-normed hidden [..., hidden] -> fp32 logits [..., V] (the full vocabulary on every rank)."""
+        return vocab_logits(hidden, self.lm_head_weight, self.config.vocab_size)

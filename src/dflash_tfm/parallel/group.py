@@ -75,6 +75,15 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Every rank's `x` concatenated along `dim` in rank order (a vocab-parallel lm_head's logits); `x` at tp 1."""
+    if _size == 1:
+        return x
+    parts = [torch.empty_like(x) for _ in range(_size)]
+    dist.all_gather(parts, x.contiguous())
+    return torch.cat(parts, dim=dim)
+
+
 def broadcast_object(obj: object) -> object:
     """Rank 0's `obj` on every rank (a request's random seed, so every rank samples the same tokens)."""
     if _size == 1:

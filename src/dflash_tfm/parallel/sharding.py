@@ -8,8 +8,11 @@ all-reduce per mixer and per feed-forward (`models/decoder.py`). Everything a he
 attention K/V cache of its KV heads, the GDN state and conv window of its value heads, so the tree verify and
 commit need no communication. KV heads fewer than ranks are replicated (each rank keeps the one its query heads
 read). Experts are split inside (each rank a slice of every expert's width), so routing is the same everywhere
-and the routed and shared experts' sum takes the same single all-reduce. The router, norms, embedding and lm_head
-are replicated: the drafter and Weaver (replicated too) read the target's full embedding and lm_head.
+and the routed and shared experts' sum takes the same single all-reduce. The embedding and lm_head are split by
+vocabulary rows when the rank count divides the vocabulary (`vocab_rows`; `layers/vocab_parallel.py`: a lookup
+masked to the rank's rows and all-reduced, logits all-gathered, so every rank holds the full logits and samples
+the same tokens), else replicated. The router and norms are replicated; so are the drafter and Weaver, which use
+the target's embedding and lm_head through the same vocab-parallel functions.
 
 The split is a config: `shard_config` returns the rank's `ModelConfig` (head counts and widths divided), from
 which the model and its caches are built unchanged; `Shard.part` says what to read of a checkpoint tensor.
@@ -64,6 +67,11 @@ def shard_config(cfg: ModelConfig, tp: int) -> ModelConfig:
         moe_intermediate_size=cfg.moe_intermediate_size // tp,
         shared_expert_intermediate_size=cfg.shared_expert_intermediate_size // tp,
     )
+
+
+def vocab_rows(vocab_size: int, tp: int) -> int:
+    """Rows of the embedding and of the lm_head one rank holds: V / tp when tp divides V, else all V."""
+    return vocab_size // tp if tp > 1 and vocab_size % tp == 0 else vocab_size
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,7 @@ from dflash_tfm.layers.linear import linear
 from dflash_tfm.layers.mlp import SwiGLU
 from dflash_tfm.layers.norm import RMSNorm
 from dflash_tfm.layers.rotary import RotaryEmbedding
+from dflash_tfm.layers.vocab_parallel import vocab_embedding, vocab_logits
 from dflash_tfm.errors import CheckpointError, CheckpointNotFoundError
 from dflash_tfm.loading.loader import default_dtype
 from dflash_tfm.loading.safetensors_dir import SafetensorsDir
@@ -46,10 +47,12 @@ from dflash_tfm.spec.dflash_config import SLIDING_ATTENTION, DFlashConfig, load_
 
 
 class TokenHeads(Protocol):
-    """What the drafter borrows from the target: `embed_tokens [V, H]` and `lm_head_weight [V, H]`."""
+    """What the drafter borrows from the target: `embed_tokens` and `lm_head_weight` ([V, H], or this rank's
+    V / tp rows of a vocab-parallel target) and its config (the vocabulary size V)."""
 
     embed_tokens: torch.Tensor
     lm_head_weight: torch.Tensor
+    config: ModelConfig
 
 
 class DFlashLayer(nn.Module):
@@ -209,6 +212,7 @@ class DFlashDrafter(nn.Module):
         embed = target.embed_tokens
         # A plain tuple keeps the shared tensors out of this module's parameters and state_dict.
         self._shared = (embed, target.lm_head_weight)
+        self.vocab_size = target.config.vocab_size
         self.device, self.dtype = embed.device, embed.dtype
         with torch.device(self.device), default_dtype(self.dtype):
             self.fc = nn.Parameter(torch.empty(cfg.hidden_size, cfg.num_taps * cfg.hidden_size))
@@ -291,7 +295,7 @@ class DFlashDrafter(nn.Module):
         if isinstance(position, int) and position + B > kv_len:
             raise ValueError(f"a block at position {position} needs kv_len >= {position + B}, got {kv_len}")
         ids = torch.cat((root_token.view(1).to(self._mask_ids.dtype), self._mask_ids))
-        h = F.embedding(ids, self.embed_tokens).unsqueeze(0)
+        h = vocab_embedding(ids, self.embed_tokens, self.vocab_size).unsqueeze(0)
         if self.config.input_embedding_scale != 1.0:
             h = h * self.config.input_embedding_scale
         qpos = self._block_offsets + position  # [B]
@@ -310,7 +314,7 @@ class DFlashDrafter(nn.Module):
         """fp32 logits of final-normed drafter hidden states through the target's lm_head, times the config's
         `output_multiplier` and soft-capped by `final_logit_softcapping` (the reference's `compute_logits`, done in
         fp32 rather than the model dtype)."""
-        logits = linear(hidden, self.lm_head_weight).float()
+        logits = vocab_logits(hidden, self.lm_head_weight, self.vocab_size)
         cfg = self.config
         if cfg.output_multiplier != 1.0:
             logits = logits * cfg.output_multiplier

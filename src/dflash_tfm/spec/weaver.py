@@ -36,6 +36,7 @@ from torch import nn
 from dflash_tfm.config import ModelConfig
 from dflash_tfm.kernels.tree_growth.reference import pool_logits_plus_residual, weaver_norm
 from dflash_tfm.layers.compile import fuse_on_cuda
+from dflash_tfm.layers.vocab_parallel import gather_vocab_rows
 from dflash_tfm.errors import CheckpointError, CheckpointNotFoundError
 
 ACTIVATIONS = ("swiglu", "gelu")
@@ -233,10 +234,13 @@ class Weaver(nn.Module):
             self.register_buffer(name, None, persistent=False)
 
     @torch.no_grad()
-    def prepare(self, embed_tokens: torch.Tensor, lm_head_weight: torch.Tensor, chunk_rows: int = 16384) -> None:
+    def prepare(self, embed_tokens: torch.Tensor, lm_head_weight: torch.Tensor, chunk_rows: int = 16384,
+                vocab_size: int | None = None) -> None:
         """Precompute the per-target tables once at load, ``chunk_rows`` vocabulary rows at a time (fp32
         intermediates stay at chunk size): ``token_table = token_in(embed_norm(E))``,
-        ``w_res = lm_head.weight @ lm_head_query_in.weight``; both ``[V, d_rank]`` in the Weaver dtype."""
+        ``w_res = lm_head.weight @ lm_head_query_in.weight``; both ``[V, d_rank]`` in the Weaver dtype. With a
+        vocab-parallel target (tables of fewer rows than ``vocab_size``) each rank computes its rows and the
+        full tables are gathered, since trees read them at any candidate id."""
         cfg, p = self.config, self.lm_head_query_in.weight
         if embed_tokens.shape[1] != cfg.d_embed or lm_head_weight.shape[1] != cfg.d_model:
             raise CheckpointError(f"target embedding {tuple(embed_tokens.shape)} / lm_head {tuple(lm_head_weight.shape)}"
@@ -250,6 +254,9 @@ class Weaver(nn.Module):
         for s in range(0, lm_head_weight.shape[0], chunk_rows):
             rows = lm_head_weight[s : s + chunk_rows].to(device=p.device, dtype=torch.float32)
             self.w_res[s : s + chunk_rows] = rows @ p.float()
+        vocab_size = vocab_size or vocab
+        self.token_table = gather_vocab_rows(self.token_table, vocab_size)
+        self.w_res = gather_vocab_rows(self.w_res, vocab_size)
         if cfg.rotary:  # prefix rows at 0…K, nodes at min(depth, K) + 1 ≤ K + 1
             inv_freq = cfg.rope_base ** (-torch.arange(0, cfg.head_dim, 2, device=p.device).float() / cfg.head_dim)
             angles = torch.outer(torch.arange(cfg.K + 2, device=p.device).float(), inv_freq).repeat(1, 2)
@@ -362,7 +369,7 @@ def load_weaver(
     model.eval().requires_grad_(False)
     if block_size - 1 < cfg.K:
         model.limit_depth(block_size - 1)
-    model.prepare(target_model.embed_tokens, target_model.lm_head_weight)
+    model.prepare(target_model.embed_tokens, target_model.lm_head_weight, vocab_size=target_cfg.vocab_size)
     return model
 
 
