@@ -21,9 +21,10 @@ import torch
 from torch import nn
 
 from dflash_tfm.errors import CheckpointError
-from dflash_tfm.kernels.fp8.block_quant import scale_shape
+from dflash_tfm.kernels.fp8.block_quant import BLOCK, scale_shape
 from dflash_tfm.layers.fp8_weight import Fp8Weight
 from dflash_tfm.loading.weight_map import TensorSpec
+from dflash_tfm.parallel.sharding import Part
 
 SCALE_SUFFIX = "_scale_inv"
 FP8_STORAGE = "F8_E4M3"
@@ -74,7 +75,7 @@ def fp8_plan(specs: dict[str, TensorSpec], fp8_names: set[str]) -> dict[str, tup
     receives an FP8 tensor. The pieces' rows come from running each spec's mapping on a meta tensor."""
     rows: dict[str, list[tuple[int, int, str]]] = defaultdict(list)
     for name, spec in specs.items():
-        for param, row, piece in spec.assign(torch.empty(spec.shape, device="meta")):
+        for param, row, piece in spec.assign(torch.empty(spec.read_shape, device="meta")):
             n = piece.flatten(0, -2).shape[0] if piece.dim() > 2 else piece.shape[0]
             rows[param].append((row, row + n, name))
     plan = {}
@@ -109,3 +110,22 @@ def allocate_projections(model: nn.Module, plan: dict[str, tuple[int, int] | Non
         else:
             setattr(owner, attr, nn.Parameter(torch.empty(param.shape, dtype=dtype, device=device),
                                               requires_grad=False))
+
+
+def slice_row_scales(scales: torch.Tensor, part: Part | None, name: str, columns: int) -> torch.Tensor:
+    """Per-row scales ``[..., N, ⌈K/128⌉]`` of a whole FP8 tensor -> those of the tensor-parallel slice `part`
+    (`parallel/sharding.py`) a rank reads. Per-row scales follow any range of rows (or experts); a range of the
+    K = `columns` columns must start on a 128-column block and span whole blocks (or end at K), since the
+    rank's scales are whole blocks from its column 0."""
+    if part is None:
+        return scales
+    dim, ranges = part
+    dim %= scales.dim()
+    if dim != scales.dim() - 1:
+        return torch.cat([scales.narrow(dim, start, n) for start, n in ranges], dim=dim)
+    for start, n in ranges:
+        if start % BLOCK or (n % BLOCK and start + n != columns):
+            raise CheckpointError(f"tensor {name!r}: this tensor-parallel split reads columns {start} … "
+                                  f"{start + n - 1}, which do not fall on its FP8 scales' 128-column blocks; "
+                                  "choose a --tp-size whose column slices are multiples of 128")
+    return torch.cat([scales.narrow(dim, start // BLOCK, -(-n // BLOCK)) for start, n in ranges], dim=dim)

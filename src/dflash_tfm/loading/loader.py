@@ -22,11 +22,11 @@ from dflash_tfm.kernels.fp8.block_quant import dequantize_rows, expand_block_sca
 from dflash_tfm.layers.fp8_weight import Fp8Weight
 from dflash_tfm.layers.linear import deferred_projection_weights
 from dflash_tfm.loading.fp8_layout import (
-    KEPT_DENSE, SCALE_SUFFIX, allocate_projections, fp8_plan, scale_name, scale_problems, stored_fp8,
+    KEPT_DENSE, SCALE_SUFFIX, allocate_projections, fp8_plan, scale_name, scale_problems, slice_row_scales, stored_fp8,
 )
 from dflash_tfm.loading.quantization import FP8, check_quantization_flag, checkpoint_quantization
 from dflash_tfm.loading.safetensors_dir import SafetensorsDir
-from dflash_tfm.loading.weight_map import IGNORED, expected_tensors
+from dflash_tfm.loading.weight_map import IGNORED, TensorSpec, expected_tensors
 from dflash_tfm.models.decoder import CausalLM
 from dflash_tfm.parallel.sharding import Part, Shard
 
@@ -148,7 +148,7 @@ def load_weights(model: CausalLM, source: CheckpointSource, cfg: ModelConfig, pr
     for name in tqdm(list(specs), desc="loading weights", unit="tensor", disable=not progress, leave=False):
         spec = specs[name]
         with torch.no_grad():
-            weight, scales = _read(source, name, spec.part, name in stored, name in held_fp8, device, dtype)
+            weight, scales = _read(source, name, spec, name in stored, name in held_fp8, device, dtype)
             pieces = spec.assign(weight)
             scale_pieces = [None] * len(pieces) if scales is None else [p for _, _, p in spec.assign(scales)]
             for (param_name, row, piece), scale in zip(pieces, scale_pieces):
@@ -159,23 +159,26 @@ def load_weights(model: CausalLM, source: CheckpointSource, cfg: ModelConfig, pr
                 target[row : row + piece.shape[0]].copy_(piece.to(target.dtype))
 
 
-def _read(source: CheckpointSource, name: str, part: Part | None, stored_fp8: bool, held_fp8: bool,
+def _read(source: CheckpointSource, name: str, spec: TensorSpec, stored_fp8: bool, held_fp8: bool,
           device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One checkpoint tensor as it will be held: (FP8 weight, per-row scales) or (`dtype` weight, None). An FP8
-    tensor held densely is dequantized; a dense one held in FP8 is quantized in 128 x 128 blocks (on `device`)."""
+    """One checkpoint tensor (this rank's slice, `spec.part`) as it will be held: (FP8 weight, per-row scales) or
+    (`dtype` weight, None). An FP8 tensor held densely is dequantized; a dense one held in FP8 is quantized in
+    128 x 128 blocks of the slice (on `device`)."""
+    part = spec.part
     if stored_fp8:
-        weight = source.load_tensor(name, None)
-        scales = expand_block_scales(source.load_tensor(scale_name(name), torch.float32), weight.shape[-2])
+        weight = source.load_tensor(name, None, part)
+        scales = expand_block_scales(source.load_tensor(scale_name(name), torch.float32), spec.shape[-2])
+        scales = slice_row_scales(scales, part, name, spec.shape[-1])
         return (weight, scales) if held_fp8 else (dequantize_rows(weight, scales, dtype), None)
     if not held_fp8:
         return source.load_tensor(name, dtype, part), None
-    weight, block_scales = quantize_blocks(source.load_tensor(name, torch.float32).to(device))
+    weight, block_scales = quantize_blocks(source.load_tensor(name, torch.float32, part).to(device))
     return weight, expand_block_scales(block_scales, weight.shape[-2])
 
 
 def _destinations(spec) -> set[str]:
     """The parameters a checkpoint tensor is written into."""
-    return {param for param, _, _ in spec.assign(torch.empty(spec.shape, device="meta"))}
+    return {param for param, _, _ in spec.assign(torch.empty(spec.read_shape, device="meta"))}
 
 
 def _as_rows(t: torch.Tensor) -> torch.Tensor:
@@ -211,11 +214,9 @@ def load_model(
 ) -> tuple[CausalLM, ModelConfig]:
     """The target model of an opened checkpoint, weights loaded: the config's quantization (None or FP8) and the
     `quantization` flag checked first, projections allocated in the format they are held in. At tensor-parallel
-    size > 1 (`shard`) only BF16 / FP16 / FP32 safetensors load: FP8 block scales are not sliced yet."""
+    size > 1 (`shard`) each rank reads its slices, an FP8 tensor's with its block scales' (`slice_row_scales`)."""
     quantization = check_quantization_flag(quantization)
     stored_quantization = checkpoint_quantization(raw_config)
-    if shard.size > 1 and (quantization or stored_quantization):
-        raise NotImplementedError(f"--tp-size {shard.size} does not support FP8 targets yet; use --tp-size 1")
     cfg = ModelConfig.from_dict(raw_config)
     with deferred_projection_weights():
         model = build_model(cfg, device, dtype, max_positions or cfg.max_position_embeddings, shard.size)

@@ -40,6 +40,16 @@ class TensorSpec:
     assign: Callable[[torch.Tensor], list[Piece]]
     part: Part | None = None
 
+    @property
+    def read_shape(self) -> tuple[int, ...]:
+        """The shape of what this rank reads: `shape` with the part's ranges in place of its dim."""
+        if self.part is None:
+            return self.shape
+        dim, ranges = self.part
+        shape = list(self.shape)
+        shape[dim % len(shape)] = sum(n for _, n in ranges)
+        return tuple(shape)
+
 
 def _to(param: str, row: int = 0) -> Callable[[torch.Tensor], list[Piece]]:
     return lambda t: [(param, row, t)]
