@@ -36,6 +36,7 @@ from dflash_tfm.models.presets import PUBLISHED_WEAVER, QWEN3_6_27B, QWEN3_6_27B
 from dflash_tfm.models.random_init import init_random_
 from dflash_tfm.sampling_params import SamplingParams
 from dflash_tfm.spec.dflash import DFlashDrafter
+from dflash_tfm.spec import weaver_tree
 from dflash_tfm.spec.dflash_config import DFlashConfig
 from dflash_tfm.spec.weaver_fixtures import write_random_weaver_checkpoint
 from dflash_tfm.speculative_config import SpeculativeConfig
@@ -93,6 +94,9 @@ def main() -> None:
     ap.add_argument("--budgets", type=int, nargs="+", default=[64])
     ap.add_argument("--tfm-children-per-node", type=int, nargs="+", default=[16, 8],
                     help="DFLASH_TFM widths to time (16 = our default, 8 = published)")
+    ap.add_argument("--tfm-round-units", type=int, nargs="+", default=[weaver_tree.ROUND_UNIT],
+                    help="DFLASH_TFM rounds write ceil(budget / unit) nodes each (the engine's unit: "
+                         f"{weaver_tree.ROUND_UNIT}); another unit times fewer, wider Weaver rounds")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--out", default=None)
@@ -120,14 +124,18 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         weaver_path = Path(tmp) / "weaver.pth"
         write_random_weaver_checkpoint(weaver_path, cfg, K=block - 1, **PUBLISHED_WEAVER)
-        modes = [("DFLASH", 1, 0)] + [("DDTREE", b, 0) for b in args.budgets]
-        modes += [("DFLASH_TFM", b, c) for b in args.budgets for c in args.tfm_children_per_node]
-        for algo, budget, children in modes:
+        modes = [("DFLASH", 1, 0, None)] + [("DDTREE", b, 0, None) for b in args.budgets]
+        modes += [("DFLASH_TFM", b, c, u) for b in args.budgets for c in args.tfm_children_per_node
+                  for u in args.tfm_round_units]
+        engine_unit = weaver_tree.ROUND_UNIT
+        for algo, budget, children, unit in modes:
+            weaver_tree.ROUND_UNIT = unit or engine_unit  # read when the tree graph is captured
             spec = SpeculativeConfig(algo, weaver_path=weaver_path if algo == "DFLASH_TFM" else None,
                                      tree_budget=budget, **({"children_per_node": children} if children else {}))
             proposer = build_proposer(spec, runner, cfg, block)
             decoder = SpeculativeDecoder(runner, drafter, proposer)
             name = algo if algo == "DFLASH" else f"{algo} {budget}" + (f" c{children}" if children else "")
+            name += f" u{unit}" if unit not in (None, engine_unit) else ""
             r = measure(decoder, prompt, greedy, args.warmup, args.steps)
             r["nodes"] = proposer.num_nodes
             results["modes"][name] = r
@@ -136,6 +144,7 @@ def main() -> None:
                 profile_phases(decoder, greedy, name)
             del decoder
             torch.cuda.empty_cache()
+        weaver_tree.ROUND_UNIT = engine_unit
 
     print(f"\n{torch.cuda.get_device_name()}, context {args.context}, AR step {ar_ms:.2f} ms; median of {args.steps} steps")
     print("| mode | nodes | draft ms | tree ms | verify ms | commit ms | step ms (host) | (draft+tree+commit)/verify |")

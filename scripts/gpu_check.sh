@@ -51,7 +51,7 @@ has draft && run bench_dflash_draft python3 -m benchmarks.bench_dflash_draft --p
 has spec && run bench_tree_build python3 -m benchmarks.bench_tree_build --profile
 # Every size the adaptive budget may take (the step-time table behind benchmarks/project_speedup.py).
 has spec && run bench_spec_step python3 -m benchmarks.bench_spec_step --budgets ${SPEC_BUDGETS:-8 16 32 64 128} \
-  --tfm-children-per-node 16 --out "$OUT/spec_step.json"
+  --tfm-children-per-node 16 --tfm-round-units 16 8 --out "$OUT/spec_step.json"
 has projections && run bench_projection_kernels python3 -m benchmarks.bench_projection_kernels
 has profile && run profile_decode python3 -m benchmarks.profile_decode_step
 (has profile || has profile_verify) && run profile_verify python3 -m benchmarks.profile_decode_step --verify-nodes 65

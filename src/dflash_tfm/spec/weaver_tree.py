@@ -24,7 +24,11 @@ from dflash_tfm.layers.compile import fuse_on_cuda
 from dflash_tfm.spec.weaver import NORM_EPS, Weaver, WeaverCache
 from dflash_tfm.speculative_config import DEFAULT_CHILDREN_PER_NODE
 
-ROUND_UNIT = 16  # nodes per batched Weaver step = ceil(budget / 16)
+# Nodes per batched Weaver step = ceil(budget / ROUND_UNIT). Wider rounds mean fewer Weaver steps but a less
+# best-first tree: at unit 8 (budget 64: 8 rounds instead of 16) SmolLM2's exact expected τ fell 1.7 % at T = 0
+# and held at T = 1 (3 held-out prompts × 96 tokens per set); what the GPU's launch-bound rounds save is to be
+# timed (`benchmarks.bench_spec_step --tfm-round-units 16 8`).
+ROUND_UNIT = 16
 
 
 def round_width(budget: int, children: int) -> int:
