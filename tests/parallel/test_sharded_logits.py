@@ -15,7 +15,7 @@ from dflash_tfm.loading.loader import load_model, open_checkpoint
 from dflash_tfm.parallel.sharding import Shard
 from dflash_tfm.tree import TreeSpec
 
-from ..models.tiny_targets import VOCAB, fuse_experts, save_hf_model
+from ..models.tiny_targets import fuse_experts, save_hf_model
 from .ranks import run_ranks
 
 PROMPT_LEN = 13
@@ -29,12 +29,13 @@ def passes(rank: int, tp: int, path: str) -> dict[str, torch.Tensor]:
     model, _ = load_model(source, raw, CPU, torch.float32, 512, progress=False, shard=Shard(rank, tp))
     runner = ModelRunner(model, max_len=64, device=CPU, use_cuda_graph=False)
     runner.reset()
-    prompt = torch.randint(0, VOCAB, (PROMPT_LEN,), generator=torch.Generator().manual_seed(1))
+    vocab = model.config.vocab_size  # token ids below are taken modulo it
+    prompt = torch.randint(0, vocab, (PROMPT_LEN,), generator=torch.Generator().manual_seed(1))
     prefill = runner.prefill(prompt)[0]
     decode = runner.decode(torch.tensor([5]), PROMPT_LEN)[0]
     cache_len = PROMPT_LEN + 1
     parents = torch.tensor([-1, 0, 0, 1, 1, 2, 3, 6, 7])
-    tokens = torch.tensor([11, 3, 40, 8, 99, 17, 64, 2, 150])
+    tokens = torch.tensor([11, 3, 40, 8, 99, 17, 64, 2, 150]) % vocab
     tree = TreeSpec.build(tokens.view(1, -1), parents.view(1, -1), cache_len=cache_len)
     path = [0, 1, 3, 6, 7, 8]
     accepted = torch.zeros(1, 9, dtype=torch.bool)
@@ -45,7 +46,7 @@ def passes(rank: int, tp: int, path: str) -> dict[str, torch.Tensor]:
         hidden, _, saved = model.verify(tree, runner.cache, cache_len)
         verify = model.logits(hidden[0])
         model.commit(runner.cache, cache_len, tree, saved, accepted, path_indices)
-    after = runner.decode(torch.tensor([21]), cache_len + len(path))[0]
+    after = runner.decode(torch.tensor([21 % vocab]), cache_len + len(path))[0]
     return {"prefill": prefill, "decode": decode, "verify": verify, "after commit": after}
 
 

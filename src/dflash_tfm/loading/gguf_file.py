@@ -185,10 +185,9 @@ class GGUFCheckpoint:
         return self._tensor(name).tensor_type.name
 
     def load_tensor(self, name: str, dtype: torch.dtype = torch.float32, part: Part | None = None) -> torch.Tensor:
-        """Dequantize one tensor to `dtype` in HF layout (q/k rows un-permuted for llama). GGUF targets load at
-        tensor-parallel size 1 only (`part` must be None)."""
-        if part is not None:
-            raise NotImplementedError(f"{self.path}: GGUF targets run at --tp-size 1 only; use a safetensors directory")
+        """Dequantize one tensor to `dtype` in HF layout (q/k rows un-permuted for llama); with `part` (a
+        tensor-parallel rank's slice, `parallel/sharding.py`) only those ranges, cut from the whole dequantized
+        tensor: each rank reads and dequantizes every tensor whole, one at a time, and keeps its slice."""
         tensor = self._tensor(name)
         try:
             values = dequantize(tensor.data, tensor.tensor_type)
@@ -208,7 +207,11 @@ class GGUFCheckpoint:
             values = _unpermute_rows(values, n_head)
         if not values.flags.writeable:  # F32 tensors come back as read-only views of the memory map
             values = values.copy()
-        return torch.from_numpy(values).to(dtype)
+        whole = torch.from_numpy(values)
+        if part is None:
+            return whole.to(dtype)
+        dim, ranges = part
+        return torch.cat([whole.narrow(dim, start, n) for start, n in ranges], dim=dim).to(dtype)
 
     def __repr__(self) -> str:
         return f"GGUFCheckpoint({str(self.path)!r}, arch={self.arch!r}, tensors={len(self._tensors)})"
