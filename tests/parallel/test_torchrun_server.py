@@ -1,8 +1,11 @@
-"""The server at --tp-size 2, which starts its two ranks: rank 0 serves HTTP, rank 1 follows each request. Greedy /generate
+"""The server at --tp-size 2, which starts its two ranks: rank 0 serves HTTP, rank 1 follows each request (or
+each batched step of autoregressive requests decoding together). Greedy /generate
 equals the tp 1 engine's tokens, before and after a streamed request that the client abandons early (rank 0
 then decodes it to its end silently, so the ranks stay in lockstep for the next request)."""
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import os
 import subprocess
 import sys
@@ -35,16 +38,15 @@ def checkpoints(tmp_path_factory):
     return path, drafter
 
 
-@pytest.fixture(scope="module")
-def server(checkpoints):
-    path, drafter = checkpoints
+@contextlib.contextmanager
+def tp2_server(path, *flags: str):
+    """The server at --tp-size 2 on the tiny target with `flags`, started as a user would (it starts its two
+    ranks); yields its URL, and on exit stops it and checks no rank still serves."""
     port = free_port()
     log = tempfile.NamedTemporaryFile("w+", suffix=".log")
-    cmd = [sys.executable, "-m", "dflash_tfm.launch_server", "--tp-size", "2",  # it starts its two ranks
-           "--model-path", str(path), "--device", "cpu",
-           "--dtype", "float32", "--max-model-len", "256", "--host", "127.0.0.1", "--port", str(port),
-           "--log-level", "warning", "--speculative-algorithm", "DDTREE", "--speculative-draft-model-path",
-           str(drafter), "--speculative-tree-budget", "8"]
+    cmd = [sys.executable, "-m", "dflash_tfm.launch_server", "--tp-size", "2", "--model-path", str(path),
+           "--device", "cpu", "--dtype", "float32", "--max-model-len", "256", "--host", "127.0.0.1", "--port",
+           str(port), "--log-level", "warning", *flags]
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                             env={**os.environ, "TQDM_DISABLE": "1", "OMP_NUM_THREADS": "1"})
     url = f"http://127.0.0.1:{port}"
@@ -72,6 +74,14 @@ def server(checkpoints):
             pytest.fail("a rank still serves after the server was stopped")
 
 
+@pytest.fixture(scope="module")
+def server(checkpoints):
+    path, drafter = checkpoints
+    with tp2_server(path, "--speculative-algorithm", "DDTREE", "--speculative-draft-model-path", str(drafter),
+                    "--speculative-tree-budget", "8") as url:
+        yield url
+
+
 def generate(url: str, ids: list[int]) -> list[int]:
     body = {"input_ids": ids, "sampling_params": {"temperature": 0.0, "max_new_tokens": NEW_TOKENS}}
     response = httpx.post(f"{url}/generate", json=body, timeout=120)
@@ -90,3 +100,19 @@ def test_tp2_server_answers_as_the_tp1_engine(checkpoints, server: str) -> None:
         next(response.iter_lines())  # the first chunk, then the client leaves
     assert generate(server, PROMPTS[2]) == expected[2]
     assert generate(server, PROMPTS[1]) == expected[1]
+
+
+def test_tp2_server_batches_concurrent_requests_as_the_tp1_engine(checkpoints) -> None:
+    """Autoregressive at tp 2: concurrent requests decode together (rank 1 follows each batched step) and each
+    gets the tp 1 engine's tokens."""
+    path, _ = checkpoints
+    engine = Engine(path, device="cpu", dtype="float32", max_model_len=256, progress=False)
+    expected = [engine.generate(ids, SamplingParams(max_new_tokens=NEW_TOKENS)).token_ids for ids in PROMPTS]
+    with tp2_server(path, "--max-running-requests", "4") as url:
+        with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
+            got = list(pool.map(lambda ids: generate(url, ids), PROMPTS))
+        metrics = httpx.get(f"{url}/metrics", timeout=10).text
+    assert got == expected
+    assert "dflash_tfm_max_running_requests 4.0" in metrics
+    sample = dict(line.rsplit(" ", 1) for line in metrics.splitlines() if line.startswith("dflash_tfm_batch_size_"))
+    assert float(sample['dflash_tfm_batch_size_bucket{le="1.0"}']) < float(sample["dflash_tfm_batch_size_count"])

@@ -70,14 +70,11 @@ class Engine:
         `self.speculative` is the config as run: checkpoint paths filled in, block_size the drafter's own.
         tp_size > 1 splits the target over that many processes (`parallel/`), each of which builds this Engine
         (started by torchrun): the drafter and Weaver are replicated, so every rank builds the same tree and
-        accepts the same tokens, and only the target's projections communicate. Continuous batching is not
-        sharded yet: tp_size > 1 needs max_running_requests 1."""
+        accepts the same tokens, and only the target's projections communicate. With continuous batching rank 0
+        sends each step's admissions and aborts to the others before the step (`follow`)."""
         speculative = (speculative or SpeculativeConfig()).with_checkpoints(DEFAULT_BUNDLE if model_path is None else None)
         if max_running_requests < 1:
             raise ValueError(f"max_running_requests must be >= 1, got {max_running_requests}")
-        if max_running_requests > 1 and tp_size > 1:
-            raise ValueError(f"max_running_requests={max_running_requests} with tp_size={tp_size}: continuous "
-                             "batching runs on one process so far; use max_running_requests=1 with tensor parallelism")
         if max_running_requests > 1 and speculative.enabled:
             raise ValueError(
                 f"max_running_requests={max_running_requests} needs autoregressive decoding: speculative algorithms "
@@ -105,6 +102,11 @@ class Engine:
         self.max_running_requests = max_running_requests
         self.batch: ContinuousBatch | None = None
         self._streaming = False  # a `stream` is open (it decodes in row 0 of the batch's cache)
+        # Rank 0 at tp > 1: the admissions and aborts the other ranks apply before the next batched step, and the
+        # number each running request is known by there.
+        self._lockstep_commands: list[tuple] = []
+        self._lockstep_numbers: dict[int, int] = {}
+        self._admitted = 0
         shared_cache = None
         if max_running_requests > 1:
             batch_runner = BatchRunner(loaded.model, max_running_requests, self.max_model_len, self.device,
@@ -228,7 +230,7 @@ class Engine:
                                "hold: finish or abort them first (or use add_request)")
         lockstep = group_size() > 1
         if lockstep:
-            broadcast_object((seq.prompt_ids, seq.params))
+            broadcast_object(("stream", seq.prompt_ids, seq.params))
         self._streaming = True
         deltas = self._decode_alone(seq)
         try:
@@ -242,11 +244,24 @@ class Engine:
             self._streaming = False
 
     def follow(self) -> None:
-        """Every rank but 0 at tp > 1: decode each request rank 0 streams, in lockstep with it, until rank 0
-        calls `release_followers`."""
-        while (request := broadcast_object(None)) is not None:
-            for _ in self._decode_alone(self._sequence(*request)):
-                pass
+        """Every rank but 0 at tp > 1: in lockstep with rank 0, decode each request it streams and take each
+        batched step it takes, with the same admissions and aborts first, until rank 0 calls
+        `release_followers`."""
+        batched: dict[int, Sequence] = {}  # rank 0's request number -> this rank's copy
+        while (message := broadcast_object(None)) is not None:
+            if message[0] == "stream":
+                for _ in self._decode_alone(self._sequence(*message[1:])):
+                    pass
+                continue
+            for command, number, *request in message[1]:
+                if command == "add":
+                    batched[number] = self._sequence(*request)
+                    self._running_batch().add(batched[number])
+                elif number in batched:
+                    self._running_batch().abort(batched.pop(number))
+            for seq, _ in self._running_batch().step():
+                if seq.finished:
+                    batched = {n: s for n, s in batched.items() if s is not seq}
 
     def release_followers(self) -> None:
         """Rank 0: end the other ranks' `follow` (nothing at tp 1)."""
@@ -300,13 +315,28 @@ class Engine:
             raise RuntimeError("a stream is decoding in cache row 0: finish or close it before add_request")
         seq = self._new_sequence(prompt, params, chat=chat, enable_thinking=enable_thinking)
         batch.add(seq)
+        if group_size() > 1:  # the other ranks admit it before the next step
+            self._lockstep_numbers[id(seq)] = number = self._admitted
+            self._admitted += 1
+            self._lockstep_commands.append(("add", number, seq.prompt_ids, seq.params))
         return seq
 
     def step(self) -> list[tuple[Sequence, StreamDelta]]:
         """One step of the running batch: each request's new token as (request, delta); a request's last delta
-        carries its finish reason, and its slot is free again."""
-        return self._running_batch().step()
+        carries its finish reason, and its slot is free again. At tp > 1 the admissions and aborts since the last
+        step go to the other ranks first, so every rank steps the same batch."""
+        batch = self._running_batch()
+        if group_size() > 1:
+            broadcast_object(("batch", self._lockstep_commands))
+            self._lockstep_commands = []
+        out = batch.step()
+        for seq, _ in out:
+            if seq.finished:
+                self._lockstep_numbers.pop(id(seq), None)
+        return out
 
     def abort_request(self, seq: Sequence) -> None:
         """Drop a running request (its client left) and free its slot."""
         self._running_batch().abort(seq)
+        if id(seq) in self._lockstep_numbers:
+            self._lockstep_commands.append(("abort", self._lockstep_numbers.pop(id(seq))))

@@ -23,16 +23,20 @@ def init_tensor_parallel(tp_size: int, device_type: str, rank: int | None = None
                          init_method: str | None = None) -> torch.device:
     """Join a group of `tp_size` processes and return this rank's device (`cuda:<LOCAL_RANK>` on CUDA, else the
     CPU). The rank and rendezvous come from the torchrun environment unless given (`init_method`, e.g.
-    "tcp://127.0.0.1:29511" or "file:///tmp/rdzv"). The whole world is the tensor-parallel group: a world of
-    another size is refused, naming the flag."""
+    "tcp://127.0.0.1:29511" or "file:///tmp/rdzv"); a process group already set up (by a program embedding the
+    engine) is joined as it is. The whole world is the tensor-parallel group: a world of another size is refused,
+    naming the flag."""
     global _size, _rank
     if tp_size < 2:
         raise ValueError(f"a tensor-parallel group needs --tp-size 2 or more, got {tp_size} (1 needs no group)")
-    world = int(os.environ.get("WORLD_SIZE", tp_size if init_method else 1))
+    if dist.is_initialized():
+        world, own_rank = dist.get_world_size(), dist.get_rank()
+    else:
+        world, own_rank = int(os.environ.get("WORLD_SIZE", tp_size if init_method else 1)), int(os.environ.get("RANK", 0))
     if world != tp_size:
         raise ValueError(f"--tp-size {tp_size} needs {tp_size} processes, but WORLD_SIZE is {world}: run the "
                          f"command without a launcher (it starts its ranks) or with `--nproc-per-node {tp_size}`")
-    rank = int(os.environ.get("RANK", 0)) if rank is None else rank
+    rank = own_rank if rank is None else rank
     backend = "nccl" if device_type == "cuda" else "gloo"
     if not dist.is_initialized():
         dist.init_process_group(backend, init_method=init_method or "env://", rank=rank, world_size=tp_size,

@@ -55,7 +55,7 @@ class ServerArgs:
     """Validated launch settings: what builds the Engine, then the server's own settings.
 
     max_running_requests is what the engine decodes together: the flag (default 8) for autoregressive
-    decoding on one process, 1 with a speculative algorithm or at --tp-size > 1 (batch 1 for now).
+    decoding, 1 with a speculative algorithm (batch 1 for now).
 
     allowed_hosts None accepts any Host header (the default when bound to a non-loopback address); api_key
     None serves without authentication."""
@@ -175,8 +175,7 @@ def server_args_from_namespace(ns: argparse.Namespace, environ: dict[str, str] |
         for dest, why in NOT_APPLICABLE.items() if getattr(ns, dest) not in (None, False)
     }
     running = DEFAULT_MAX_RUNNING if ns.max_running_requests is None else ns.max_running_requests
-    one_at_a_time = (f"{spec.algorithm} decodes" if spec.enabled else
-                     f"--tp-size {ns.tp_size} decodes" if ns.tp_size > 1 else None)
+    one_at_a_time = f"{spec.algorithm} decodes" if spec.enabled else None
     if one_at_a_time:
         running = 1
         if ns.max_running_requests is not None and ns.max_running_requests > 1:

@@ -1,0 +1,61 @@
+"""Continuous batching with the target split over 2 gloo ranks: rank 0 admits, steps and aborts; the other rank
+follows (`Engine.follow`), applying the same admissions and aborts before each step. Every request's tokens
+equal the tp 1 engine's: greedy and seeded-sampled requests, one joining mid-run, one aborted mid-run, and a
+sampled request without a seed, which rank 0 seeds so that both ranks draw alike."""
+from __future__ import annotations
+
+from dflash_tfm import Engine, SamplingParams
+
+from ..train.tiny_chat import save_tiny_chat_model
+from .ranks import run_ranks
+
+PROMPTS = {"a": [1, 7, 9, 12, 20], "b": [1, 5, 6, 7, 8, 9, 10], "c": [3, 4], "d": [2, 9, 9, 4, 1, 30]}
+
+
+def script(engine: Engine) -> dict[str, list[int]]:
+    """a, b, d from the start (d sampled with a seed, b without), c after 3 steps, b aborted after 5."""
+    tokens: dict[str, list[int]] = {name: [] for name in PROMPTS}
+    params = {"a": SamplingParams(max_new_tokens=12), "b": SamplingParams(temperature=1.0, max_new_tokens=30),
+              "c": SamplingParams(max_new_tokens=10), "d": SamplingParams(temperature=0.8, seed=3, max_new_tokens=16)}
+    names = {}
+    for name in "abd":
+        names[engine.add_request(PROMPTS[name], params[name])] = name
+    steps = 0
+    while names:
+        if steps == 3:
+            names[engine.add_request(PROMPTS["c"], params["c"])] = "c"
+        if steps == 5:
+            aborted = next(seq for seq, name in names.items() if name == "b")
+            engine.abort_request(aborted)
+            del names[aborted]
+        for seq, delta in engine.step():
+            if seq in names:
+                tokens[names[seq]] += delta.token_ids
+                if seq.finished:
+                    del names[seq]
+        steps += 1
+    return tokens
+
+
+def batched(rank: int, tp: int, path: str) -> dict[str, list[int]] | None:
+    engine = Engine(path, device="cpu", dtype="float32", max_model_len=128, progress=False, tp_size=tp,
+                    max_running_requests=4)
+    if rank:
+        engine.follow()
+        return None
+    try:
+        return script(engine)
+    finally:
+        engine.release_followers()
+
+
+def test_tp2_batched_requests_equal_tp1(tmp_path) -> None:
+    path = str(save_tiny_chat_model(tmp_path))
+    single = script(Engine(path, device="cpu", dtype="float32", max_model_len=128, progress=False,
+                           max_running_requests=4))
+    split = run_ranks(2, batched, path)
+    assert split[1] is None
+    for name in "acd":
+        assert split[0][name] == single[name] and single[name], name
+    assert len(split[0]["b"]) == 5 == len(single["b"])  # aborted after 5 steps; b's seed differs between runs
+    assert len(single["a"]) == 12 and len(single["c"]) == 10
