@@ -5,7 +5,8 @@
 # Set GPU_CHECK_PARTS to a subset of "tests kernels tree moe ar verify draft spec projections profile
 # profile_verify train fp8" to run only those parts, MOE_SWEEP=1 to have the moe part also time its tile settings,
 # GPU_TESTS to test paths, VERIFY_NS to the verify step's tree sizes, SPEC_BUDGETS to the speculative step's tree
-# sizes. All parts take longer than one 10-minute device call: e.g. "tests" in one call, "ar verify spec
+# sizes, SMOL_GGUF to the SmolLM2 GGUF (staged from .stage/smol) for the fp8 part's GSM8K agreement run. All
+# parts take longer than one 10-minute device call: e.g. "tests" in one call, "ar verify spec
 # profile" in the next.
 # The tuned kernel choices (dflash_tfm/tuning.py) are timed at first use and kept in $OUT/cache/tuning, so they
 # come back with the logs; carry that folder in (DFLASH_TFM_CACHE) to reuse an earlier call's choices.
@@ -62,6 +63,8 @@ has fp8 && run bench_fp8_linear python3 -m benchmarks.bench_fp8_linear --out "$O
 has fp8 && run bench_ar_decode_fp8 python3 -m benchmarks.bench_ar_decode --quantization fp8 --out "$OUT/ar_decode_fp8.json"
 has fp8 && run bench_verify_step_fp8 python3 -m benchmarks.bench_verify_step --ns 1 16 65 --quantization fp8 \
   --out "$OUT/verify_step_fp8.json"
+has fp8 && [ -n "${SMOL_GGUF:-}" ] && run fp8_agreement python3 -m benchmarks.fp8_agreement --target-path "$SMOL_GGUF" \
+  --dataset-dir .stage/datasets --out "$OUT/fp8_agreement.json"
 has train && run bench_training_step python3 -m benchmarks.bench_training_step --profile --out "$OUT/training_step.json"
 echo; cat "$OUT/summary.txt"
 exit $status
