@@ -17,9 +17,9 @@ sampled runs use seed + prompt index for every algorithm. On a CPU a tree verify
 speculation pays only with a high τ; the GPU (memory-bound) is where it shines.
 
 The tree budget is "auto" by default: each step takes the proposal size (0 = a plain decode step) that maximises
-expected tokens per second from step times measured on this machine, and the table shows the sizes taken and
-where a step's time goes (draft / tree / verify / commit). What the budget learns from acceptance is dropped
-before each cell's timed pass, so both passes of ``--repeat-check`` make the same choices.
+expected tokens per second from step times measured on this machine (at start, then step by step), and the table
+shows the sizes taken and where a step's time goes (draft / tree / verify / commit). What the budget learns is
+dropped before each cell's timed pass, so both passes of ``--repeat-check`` start from the same state.
 
 Without a bundle the demo says so and runs AR only; ``--random-bundle`` writes random drafter and Weaver
 checkpoints in the published formats to show the machinery, and labels the table "untrained".
