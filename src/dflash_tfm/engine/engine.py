@@ -69,9 +69,9 @@ class Engine:
         batched requests hold slots.
         `self.speculative` is the config as run: checkpoint paths filled in, block_size the drafter's own.
         tp_size > 1 splits the target over that many processes (`parallel/`), each of which builds this Engine
-        (started by torchrun): the drafter and Weaver are replicated, so every rank builds the same tree and
-        accepts the same tokens, and only the target's projections communicate. With continuous batching rank 0
-        sends each step's admissions and aborts to the others before the step (`follow`)."""
+        (started by the command itself or a launcher): the drafter and Weaver are replicated, so every rank builds
+        the same tree and accepts the same tokens, and only the target's projections communicate. With continuous
+        batching rank 0 sends each step's admissions and aborts to the others before the step (`follow`)."""
         speculative = (speculative or SpeculativeConfig()).with_checkpoints(DEFAULT_BUNDLE if model_path is None else None)
         if max_running_requests < 1:
             raise ValueError(f"max_running_requests must be >= 1, got {max_running_requests}")
