@@ -29,9 +29,10 @@ def vocab_embedding(ids: torch.Tensor, weight: torch.Tensor, vocab_size: int) ->
 
 
 def vocab_logits(hidden: torch.Tensor, weight: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """fp32 logits [..., V] of hidden [..., H] through the lm_head whose rows this rank holds (`weight`)."""
-    logits = linear(hidden, weight).float()
-    return logits if weight.shape[0] == vocab_size else all_gather(logits, dim=-1)
+    """fp32 logits [..., V] of hidden [..., H] through the lm_head whose rows this rank holds (`weight`); the
+    ranks' parts are gathered in the model dtype (half the bytes of fp32 for bf16) and widened after."""
+    logits = linear(hidden, weight)
+    return (logits if weight.shape[0] == vocab_size else all_gather(logits, dim=-1)).float()
 
 
 def gather_vocab_rows(table: torch.Tensor, vocab_size: int) -> torch.Tensor:
