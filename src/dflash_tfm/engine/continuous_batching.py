@@ -57,9 +57,16 @@ class ContinuousBatch:
         self._to_prefill.append(seq)
         self.runner.reset_row(seq.slot)  # before any step feeds it: a row in a step's bucket is stepped
 
+    def holds(self, seq: Sequence) -> bool:
+        """Whether `seq` still holds its slot (admitted, not finished, not aborted)."""
+        return 0 <= seq.slot < len(self._slots) and self._slots[seq.slot] is seq
+
+    def in_slot(self, slot: int) -> Sequence | None:
+        return self._slots[slot]
+
     def abort(self, seq: Sequence) -> None:
         """Stop `seq` now and free its slot (a no-op once it finished or left)."""
-        if 0 <= seq.slot < len(self._slots) and self._slots[seq.slot] is seq:
+        if self.holds(seq):
             self._release(seq)
 
     def _release(self, seq: Sequence) -> None:

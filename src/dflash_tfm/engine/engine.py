@@ -102,11 +102,9 @@ class Engine:
         self.max_running_requests = max_running_requests
         self.batch: ContinuousBatch | None = None
         self._streaming = False  # a `stream` is open (it decodes in row 0 of the batch's cache)
-        # Rank 0 at tp > 1: the admissions and aborts the other ranks apply before the next batched step, and the
-        # number each running request is known by there.
+        # Rank 0 at tp > 1: the admissions and aborts the other ranks apply before the next batched step. A
+        # request is known there by its slot: every rank fills and frees slots in the same order.
         self._lockstep_commands: list[tuple] = []
-        self._lockstep_numbers: dict[int, int] = {}
-        self._admitted = 0
         shared_cache = None
         if max_running_requests > 1:
             batch_runner = BatchRunner(loaded.model, max_running_requests, self.max_model_len, self.device,
@@ -247,21 +245,18 @@ class Engine:
         """Every rank but 0 at tp > 1: in lockstep with rank 0, decode each request it streams and take each
         batched step it takes, with the same admissions and aborts first, until rank 0 calls
         `release_followers`."""
-        batched: dict[int, Sequence] = {}  # rank 0's request number -> this rank's copy
         while (message := broadcast_object(None)) is not None:
             if message[0] == "stream":
                 for _ in self._decode_alone(self._sequence(*message[1:])):
                     pass
                 continue
-            for command, number, *request in message[1]:
+            batch = self._running_batch()
+            for command, *args in message[1]:
                 if command == "add":
-                    batched[number] = self._sequence(*request)
-                    self._running_batch().add(batched[number])
-                elif number in batched:
-                    self._running_batch().abort(batched.pop(number))
-            for seq, _ in self._running_batch().step():
-                if seq.finished:
-                    batched = {n: s for n, s in batched.items() if s is not seq}
+                    batch.add(self._sequence(*args))
+                else:  # ("abort", slot): the slot rank 0's request held, which this rank's copy holds too
+                    batch.abort(batch.in_slot(args[0]))
+            batch.step()
 
     def release_followers(self) -> None:
         """Rank 0: end the other ranks' `follow` (nothing at tp 1)."""
@@ -316,9 +311,7 @@ class Engine:
         seq = self._new_sequence(prompt, params, chat=chat, enable_thinking=enable_thinking)
         batch.add(seq)
         if group_size() > 1:  # the other ranks admit it before the next step
-            self._lockstep_numbers[id(seq)] = number = self._admitted
-            self._admitted += 1
-            self._lockstep_commands.append(("add", number, seq.prompt_ids, seq.params))
+            self._lockstep_commands.append(("add", seq.prompt_ids, seq.params))
         return seq
 
     def step(self) -> list[tuple[Sequence, StreamDelta]]:
@@ -329,14 +322,11 @@ class Engine:
         if group_size() > 1:
             broadcast_object(("batch", self._lockstep_commands))
             self._lockstep_commands = []
-        out = batch.step()
-        for seq, _ in out:
-            if seq.finished:
-                self._lockstep_numbers.pop(id(seq), None)
-        return out
+        return batch.step()
 
     def abort_request(self, seq: Sequence) -> None:
         """Drop a running request (its client left) and free its slot."""
-        self._running_batch().abort(seq)
-        if id(seq) in self._lockstep_numbers:
-            self._lockstep_commands.append(("abort", self._lockstep_numbers.pop(id(seq))))
+        batch = self._running_batch()
+        if group_size() > 1 and batch.holds(seq):
+            self._lockstep_commands.append(("abort", seq.slot))
+        batch.abort(seq)
