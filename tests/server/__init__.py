@@ -117,6 +117,14 @@ def reference_engine():
     return Engine(device="cpu", dtype="float32", max_model_len=MAX_MODEL_LEN, progress=False)
 
 
+def server_with_reference() -> ServerProcess:
+    """The default shared server once healthy, with this process's reference engine loaded while the server
+    process loads its own copy."""
+    launch_server_process()
+    reference_engine()
+    return shared_server()
+
+
 def scrape(base_url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     """/metrics parsed with prometheus_client's parser: {(sample name, sorted labels): value}."""
     text = httpx.get(f"{base_url}/metrics", timeout=10.0).text

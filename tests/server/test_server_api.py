@@ -13,8 +13,8 @@ import openai
 import pytest
 
 from dflash_tfm import SamplingParams
-from tests.server import (SERVED_NAME, ServerProcess, launch_server_process, one_torch_thread, reference_engine, scrape,
-                          shared_server, wait_idle)
+from tests.server import (SERVED_NAME, ServerProcess, one_torch_thread, reference_engine, scrape, server_with_reference,
+                          wait_idle)
 
 CHAT = [{"role": "user", "content": "Name three colors."}]
 PROMPT = "The three primary colors are"
@@ -28,9 +28,7 @@ def _single_thread() -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def server() -> ServerProcess:
-    launch_server_process()
-    reference_engine()  # loads here while the server process loads its own copy
-    return shared_server()
+    return server_with_reference()
 
 
 @pytest.fixture(scope="module")

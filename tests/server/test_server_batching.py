@@ -19,8 +19,8 @@ import pytest
 from dflash_tfm import SamplingParams
 from dflash_tfm.engine.result import GenerationStats
 from dflash_tfm.engine.sequence import Sequence, StreamDelta
-from tests.server import (ServerProcess, in_thread_server, launch_server_process, one_torch_thread, reference_engine,
-                          scrape, shared_server, wait_counts, wait_idle)
+from tests.server import (ServerProcess, in_thread_server, one_torch_thread, reference_engine, scrape,
+                          server_with_reference, wait_counts, wait_idle)
 from tests.server.test_server_errors import SlowEngine
 
 COMPLETIONS = "/v1/completions"
@@ -34,9 +34,7 @@ def _single_thread() -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def server() -> ServerProcess:
-    launch_server_process()
-    reference_engine()  # loads here while the server process loads its own copy
-    return shared_server()
+    return server_with_reference()
 
 
 def test_concurrent_clients_share_steps_and_get_their_solo_outputs(server: ServerProcess) -> None:
