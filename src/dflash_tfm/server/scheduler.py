@@ -173,14 +173,13 @@ class Scheduler:
 
     def _serve_batched(self) -> None:
         """Continuous batching: between engine steps, cancelled jobs leave and waiting jobs take free slots."""
-        sequences: dict[Job, Sequence] = {}
-        jobs: dict[Sequence, tuple[Job, _Progress]] = {}  # each sequence's job and what was counted of it
+        running: dict[Sequence, tuple[Job, _Progress]] = {}  # each sequence's job and what was counted of it
         while True:
             with self._cond:
-                while not self._waiting and not sequences and not self._stopping:
+                while not self._waiting and not running and not self._stopping:
                     self._cond.wait()
                 if self._stopping:
-                    for seq in sequences.values():
+                    for seq in running:
                         self.engine.abort_request(seq)
                     return
                 joining = []
@@ -190,35 +189,31 @@ class Scheduler:
                 self._publish_counts()
             for job in joining:
                 try:
-                    seq = sequences[job] = self.engine.add_request(job.prompt_ids, job.params)
-                    jobs[seq] = job, _Progress()
+                    running[self.engine.add_request(job.prompt_ids, job.params)] = job, _Progress()
                 except ValueError as e:  # the engine rejected the request (prompt too long, bad ids, ...)
                     self._finish(job)
                     job.deliver(e)
                     self._leave(job)
-            for job in [job for job in sequences if job.cancelled.is_set()]:
-                seq = sequences.pop(job)
+            for seq in [seq for seq, (job, _) in running.items() if job.cancelled.is_set()]:
                 self.engine.abort_request(seq)
-                del jobs[seq]
-                self._leave(job)
-            if not sequences:
+                self._leave(running.pop(seq)[0])
+            if not running:
                 continue
-            self.metrics.batch_size.observe(len(sequences))
+            self.metrics.batch_size.observe(len(running))
             try:
                 produced = self.engine.step()
             except Exception:  # a bug here must not kill the only thread that serves requests
                 logger.exception("engine worker failed on a batch step")
-                for job, seq in sequences.items():
+                for seq, (job, _) in running.items():
                     self.engine.abort_request(seq)
                     self._fail(job)
                     self._leave(job)
-                sequences.clear()
-                jobs.clear()
+                running.clear()
                 continue
             for seq, delta in produced:
-                job, progress = jobs[seq]
+                job, progress = running[seq]
                 if self._on_delta(job, progress, delta):
-                    del sequences[job], jobs[seq]
+                    del running[seq]
                     self._leave(job)
 
     def _fail(self, job: Job) -> None:
