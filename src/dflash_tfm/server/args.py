@@ -175,12 +175,11 @@ def server_args_from_namespace(ns: argparse.Namespace, environ: dict[str, str] |
         for dest, why in NOT_APPLICABLE.items() if getattr(ns, dest) not in (None, False)
     }
     running = DEFAULT_MAX_RUNNING if ns.max_running_requests is None else ns.max_running_requests
-    one_at_a_time = f"{spec.algorithm} decodes" if spec.enabled else None
-    if one_at_a_time:
+    if spec.enabled:
         running = 1
         if ns.max_running_requests is not None and ns.max_running_requests > 1:
             not_applicable[f"--max-running-requests={ns.max_running_requests}"] = (
-                f"{one_at_a_time} 1 request at a time (batch 1); others wait in a FIFO queue"
+                f"{spec.algorithm} decodes 1 request at a time (batch 1); others wait in a FIFO queue"
             )
     not_applicable.update(unused_speculative_flags(ns, spec))
     if ns.max_queued_requests is not None:
