@@ -24,7 +24,7 @@ from dflash_tfm.errors import CheckpointError
 from dflash_tfm.kernels.fp8.block_quant import BLOCK, scale_shape
 from dflash_tfm.layers.fp8_weight import Fp8Weight
 from dflash_tfm.loading.weight_map import TensorSpec
-from dflash_tfm.parallel.sharding import Part
+from dflash_tfm.parallel.sharding import Part, take_part
 
 SCALE_SUFFIX = "_scale_inv"
 FP8_STORAGE = "F8_E4M3"
@@ -117,15 +117,12 @@ def slice_row_scales(scales: torch.Tensor, part: Part | None, name: str, columns
     (`parallel/sharding.py`) a rank reads. Per-row scales follow any range of rows (or experts); a range of the
     K = `columns` columns must start on a 128-column block and span whole blocks (or end at K), since the
     rank's scales are whole blocks from its column 0."""
-    if part is None:
-        return scales
+    if part is None or part[0] % scales.dim() != scales.dim() - 1:
+        return take_part(scales, part)
     dim, ranges = part
-    dim %= scales.dim()
-    if dim != scales.dim() - 1:
-        return torch.cat([scales.narrow(dim, start, n) for start, n in ranges], dim=dim)
     for start, n in ranges:
         if start % BLOCK or (n % BLOCK and start + n != columns):
             raise CheckpointError(f"tensor {name!r}: this tensor-parallel split reads columns {start} … "
                                   f"{start + n - 1}, which do not fall on its FP8 scales' 128-column blocks; "
                                   "choose a --tp-size whose column slices are multiples of 128")
-    return torch.cat([scales.narrow(dim, start // BLOCK, -(-n // BLOCK)) for start, n in ranges], dim=dim)
+    return take_part(scales, (dim, tuple((start // BLOCK, -(-n // BLOCK)) for start, n in ranges)))

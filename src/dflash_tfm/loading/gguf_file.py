@@ -19,7 +19,7 @@ from gguf.quants import dequantize
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from dflash_tfm.errors import CheckpointError, CheckpointNotFoundError
-from dflash_tfm.parallel.sharding import Part
+from dflash_tfm.parallel.sharding import Part, take_part
 
 # GGUF `general.architecture` -> (HF model_type, HF architectures class). Only dense decoder-only models
 # whose tensors map one-to-one onto HF names are supported.
@@ -207,11 +207,7 @@ class GGUFCheckpoint:
             values = _unpermute_rows(values, n_head)
         if not values.flags.writeable:  # F32 tensors come back as read-only views of the memory map
             values = values.copy()
-        whole = torch.from_numpy(values)
-        if part is None:
-            return whole.to(dtype)
-        dim, ranges = part
-        return torch.cat([whole.narrow(dim, start, n) for start, n in ranges], dim=dim).to(dtype)
+        return take_part(torch.from_numpy(values), part).to(dtype)
 
     def __repr__(self) -> str:
         return f"GGUFCheckpoint({str(self.path)!r}, arch={self.arch!r}, tensors={len(self._tensors)})"

@@ -21,10 +21,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+import torch
+
 from dflash_tfm.config import ModelConfig
 
 # A checkpoint tensor's slice a rank reads: (dim, ((start, length), ...)), the ranges concatenated along dim.
 Part = tuple[int, tuple[tuple[int, int], ...]]
+
+
+def take_part(tensor: torch.Tensor, part: Part | None) -> torch.Tensor:
+    """The slice `part` of a whole tensor (its ranges along its dim, concatenated); the tensor itself for None."""
+    if part is None:
+        return tensor
+    dim, ranges = part
+    return torch.cat([tensor.narrow(dim, start, n) for start, n in ranges], dim=dim)
 
 
 def _divides(tp: int, count: int, field: str) -> None:
