@@ -45,12 +45,12 @@ def compare(texts: list[str], engines: dict, max_new_tokens: int) -> list[dict]:
     for text in tqdm(texts, desc="prompts", unit="prompt"):
         outs = {name: e.generate(text, SamplingParams(max_new_tokens=max_new_tokens), chat=True)
                 for name, e in engines.items()}
-        (base, a), (_, b) = outs.items()
-        same = sum(x == y for x, y in zip(a.token_ids, b.token_ids))
-        rows.append({"prompt": text[:80], "tokens": len(a.token_ids), "same_position": same,
+        a, b = outs.values()
+        answers = [final_answer(a.text), final_answer(b.text)]
+        rows.append({"prompt": text[:80], "tokens": len(a.token_ids),
+                     "same_position": sum(x == y for x, y in zip(a.token_ids, b.token_ids)),
                      "first_difference": first_difference(a.token_ids, b.token_ids),
-                     "answers": [final_answer(a.text), final_answer(b.text)],
-                     "answers_agree": final_answer(a.text) == final_answer(b.text)})
+                     "answers": answers, "answers_agree": answers[0] == answers[1]})
     return rows
 
 
