@@ -6,8 +6,8 @@ budget) pair is decoded with the demo's own loop (``dflash_tfm.demo.run_algorith
 the same thing. Budget-independent algorithms (AR, DFLASH) run with the first budget only. A JSON line per
 finished (dataset, algorithm) cell is appended to --out at once, with τ and its exact expectation given the
 verified trees (``expected_tau``: each step's accepted drafts replaced by the sum over its tree of the target's
-path probabilities, free of the sampling noise, so close algorithms compare at T = 1), so a run cut short by a time limit keeps what
-it measured; run one process per dataset to use a GPU's idle capacity.
+path probabilities, free of the sampling noise, so close algorithms compare at T = 1), so a run cut short by a
+time limit keeps what it measured; run one process per dataset to use a GPU's idle capacity.
 
     python -m benchmarks.measure_acceptance --bundle DIR --datasets gsm8k --temperatures 0 1 --budgets 16 32 64 \
         --out tau.jsonl

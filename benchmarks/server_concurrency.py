@@ -6,7 +6,7 @@
 
 Sends `--clients` greedy completions one after another, then all at once (one thread each), checks that every
 client got the same text both ways, and prints both wall times and their ratio (concurrent / sequential; the
-issue asks for <= 0.6 with 8 clients on a CPU). A warm-up request first, so neither timing pays for first-use
+goal is <= 0.6 with 8 clients on a CPU). A warm-up request first, so neither timing pays for first-use
 work.
 """
 from __future__ import annotations
