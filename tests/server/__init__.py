@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import httpx
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 MAX_MODEL_LEN = 1024
@@ -117,9 +118,18 @@ def reference_engine():
     return Engine(device="cpu", dtype="float32", max_model_len=MAX_MODEL_LEN, progress=False)
 
 
-def server_with_reference() -> ServerProcess:
-    """The default shared server once healthy, with this process's reference engine loaded while the server
-    process loads its own copy."""
+@pytest.fixture(autouse=True, name="_single_thread")
+def single_thread_fixture() -> Iterator[None]:
+    """Imported by a test module that talks to a server process: its tests run this process's torch on one
+    thread (`one_torch_thread`)."""
+    with one_torch_thread():
+        yield
+
+
+@pytest.fixture(scope="module", name="server")
+def reference_server_fixture() -> ServerProcess:
+    """Imported by a test module as its `server`: the default shared server once healthy, with this process's
+    reference engine loaded while the server process loads its own copy."""
     launch_server_process()
     reference_engine()
     return shared_server()

@@ -5,7 +5,6 @@ At temperature 0 every endpoint must return exactly what `Engine.generate` retur
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -13,22 +12,11 @@ import openai
 import pytest
 
 from dflash_tfm import SamplingParams
-from tests.server import (SERVED_NAME, ServerProcess, one_torch_thread, reference_engine, scrape, server_with_reference,
-                          wait_idle)
+from tests.server import (SERVED_NAME, ServerProcess, reference_engine, reference_server_fixture,  # noqa: F401
+                          scrape, single_thread_fixture, wait_idle)  # (the fixtures: one torch thread, `server`)
 
 CHAT = [{"role": "user", "content": "Name three colors."}]
 PROMPT = "The three primary colors are"
-
-
-@pytest.fixture(autouse=True)
-def _single_thread() -> Iterator[None]:
-    with one_torch_thread():
-        yield
-
-
-@pytest.fixture(scope="module")
-def server() -> ServerProcess:
-    return server_with_reference()
 
 
 @pytest.fixture(scope="module")

@@ -19,22 +19,11 @@ import pytest
 from dflash_tfm import SamplingParams
 from dflash_tfm.engine.result import GenerationStats
 from dflash_tfm.engine.sequence import Sequence, StreamDelta
-from tests.server import (ServerProcess, in_thread_server, one_torch_thread, reference_engine, scrape,
-                          server_with_reference, wait_counts, wait_idle)
+from tests.server import (ServerProcess, in_thread_server, reference_engine,  # noqa: F401 (fixtures below)
+                          reference_server_fixture, scrape, single_thread_fixture, wait_counts, wait_idle)
 from tests.server.test_server_errors import SlowEngine
 
 COMPLETIONS = "/v1/completions"
-
-
-@pytest.fixture(autouse=True)
-def _single_thread() -> Iterator[None]:
-    with one_torch_thread():
-        yield
-
-
-@pytest.fixture(scope="module")
-def server() -> ServerProcess:
-    return server_with_reference()
 
 
 def test_concurrent_clients_share_steps_and_get_their_solo_outputs(server: ServerProcess) -> None:
