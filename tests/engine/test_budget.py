@@ -23,7 +23,7 @@ def test_calibration_scales_the_estimate_of_the_size_taken_and_its_neighbours() 
     for _ in range(20):
         c.observe(8, predicted=1.0, accepted=3)  # the drafter underestimates by 3x
     assert c.calibration(8) == pytest.approx(3.5 / 1.5, rel=1e-6)
-    assert c.calibration(32) == c.calibration(8)  # untried: borrowed from the nearest tried size
+    assert c.calibration(32) == c.calibration(8)  # untried: borrowed from the tried sizes
     c.observe(0, predicted=5.0, accepted=0)  # size 0 drafts nothing: no evidence
     assert c.calibration(0) == c.calibration(8)
     assert c.choose([0.0, 1.0, 1.2]) == 8  # (1 + 2.33) / 1.5 > 1, and > (1 + 2.8) / 3
@@ -49,7 +49,7 @@ def test_when_speculation_stops_paying_steps_decode_and_probe_ever_less_often() 
     assert c.gain < 1 and not c.speculating
     probes = [i for i, d in enumerate(drafts) if d]
     assert probes[0] == 0 and probes[1:] == [4, 12, 28]  # after 4 steps, then 8, then 16
-    assert c.chosen[0] == 40
+    assert c.chosen[0] == 39 and c.chosen[8] == 1  # the first draft is verified: nothing is calibrated before
     c.start_request()  # a new request probes at the shortest interval again
     assert [c.wants_draft() or c.choose(None) for _ in range(4)] == [0, 0, 0, True]
 
@@ -73,7 +73,7 @@ def test_a_gain_within_the_margin_does_not_start_drafting() -> None:
     c = BudgetController(SIZES, TIMES)
     for _ in range(40):  # (1 + 0.55) / 1.5 = 1.03 x the decode rate: inside the margin
         c.choose([0.0, 0.55, 0.55] if c.wants_draft() else None)
-    assert 1.0 < c.gain < 1.0 + MARGIN and not c.speculating and c.chosen[8] == 0
+    assert 1.0 < c.gain < 1.0 + MARGIN and not c.speculating and c.chosen[8] == 1  # the first draft only
 
 
 def test_forget_returns_to_the_state_after_build() -> None:
@@ -102,3 +102,22 @@ def test_sizes_need_zero_and_times() -> None:
         BudgetController((8, 16), {8: 1.0, 16: 2.0})
     with pytest.raises(ValueError, match="step time"):
         BudgetController((0, 8), {0: 1.0})
+
+
+def test_untried_sizes_borrow_the_most_optimistic_calibration() -> None:
+    """A size never taken is valued with the largest calibration seen, so a size whose raw estimate undervalues it
+    gets tried (and then calibrated) rather than skipped forever."""
+    c = BudgetController((0, 8, 16, 32), {0: 1.0, 8: 1.5, 16: 2.0, 32: 3.0}, smoothing=0.5)
+    for _ in range(20):
+        c.observe(8, predicted=1.0, accepted=1)
+        c.observe(16, predicted=1.0, accepted=3)
+    assert c.calibration(32) == c.calibration(16) > c.calibration(8)
+
+
+def test_the_first_draft_is_verified_then_hard_tokens_may_decode() -> None:
+    c = BudgetController(SIZES, TIMES, draft_seconds=0.25)
+    assert c.choose([0.0, 0.1, 0.2]) == 8  # uncalibrated: verified at the best size though 0 looks faster
+    c.observe(8, predicted=0.1, accepted=0)
+    assert c.choose([0.0, 0.1, 0.2]) == 0
+    c.forget()
+    assert c.choose([0.0, 0.1, 0.2]) == 8

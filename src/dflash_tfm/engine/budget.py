@@ -7,7 +7,11 @@ verify grow with the context, and a request's context is not the short one the s
 b > 0 includes the next step's draft, a plain decode step does not. Each draft gives, for every size at
 once, the drafter-side estimate E(b) of the drafts the target would accept (`spec.acceptance_estimate`). Drafters
 are not calibrated and Weaver's trees accept more than the marginals' best-first tree, so each size's estimate is
-scaled by c(b) = EMA(accepted) / EMA(E(b)) over the steps taken at that size.
+scaled by c(b) = EMA(accepted) / EMA(E(b)) over the steps taken at that size. A size never taken borrows the
+largest calibration of the sizes taken: an optimistic guess is corrected by the steps that take the size, a
+pessimistic one never would be, since a size that looks too poor to take stays untaken. For the same reason the
+first draft is always verified (at its best size): before any size is calibrated, the estimates alone tend to
+undervalue trees against a plain decode step.
 
 Two decisions are made, on two time scales:
 
@@ -56,6 +60,7 @@ class BudgetController:
         self._accepted: dict[int, float] = {}
         self._predicted: dict[int, float] = {}
         self._gain: float | None = None  # None until the first draft: speculate until shown otherwise
+        self._first_verified = False  # the first draft was verified (see the module docstring)
         self._steps_since_draft = 0
         self._probe_interval = self.probe_every
         self.chosen: Counter[int] = Counter()
@@ -77,6 +82,7 @@ class BudgetController:
         self._accepted.clear()
         self._predicted.clear()
         self._gain = None
+        self._first_verified = False
         self.chosen.clear()
         self.start_request()
 
@@ -87,13 +93,10 @@ class BudgetController:
 
     def calibration(self, size: int) -> float:
         """c(size): realised over predicted accepted drafts (smoothed, and pulled towards 1 while both are small);
-        a size not yet tried borrows the calibration of the nearest size that was, else 1."""
-        tried = self._predicted.keys()
-        if size not in tried:
-            if not tried:
-                return 1.0
-            size = min(tried, key=lambda b: (abs(b - size), b))
-        return (self._accepted[size] + PRIOR) / (self._predicted[size] + PRIOR)
+        a size not yet tried borrows the largest calibration of the sizes that were, else 1."""
+        if size in self._predicted:
+            return (self._accepted[size] + PRIOR) / (self._predicted[size] + PRIOR)
+        return max((self.calibration(b) for b in self._predicted), default=1.0)
 
     def tokens_per_second(self, estimate: Sequence[float]) -> dict[int, float]:
         """Expected tokens per second of each size, given the draft's estimates (in `sizes` order), while drafting
@@ -118,7 +121,9 @@ class BudgetController:
             best = max((b for b in self.sizes if b), key=rates.__getitem__)
             sample = rates[best] * self.step_seconds[0]
             self._gain = sample if self._gain is None else self._gain + self.smoothing * (sample - self._gain)
-            if self.speculating:
+            if not self._first_verified:  # nothing calibrated yet: verify this draft
+                size, self._first_verified = best, True
+            elif self.speculating:
                 size = max(self.sizes, key=rates.__getitem__)
                 self._probe_interval = self.probe_every
             else:  # the draft is paid and no draft follows: speculate only if it clearly beats a decode step
