@@ -160,6 +160,40 @@ def test_draft_matches_reference(target, tmp_path, window, causal, attention, mo
         assert rel_err(hidden[0], ref_hidden) <= 1e-5
 
 
+@pytest.mark.parametrize("attention", ["sdpa", "tree_kernel"])
+@pytest.mark.parametrize("window", [5, 64])
+@torch.no_grad()
+def test_batched_draft_matches_reference_per_row(target, tmp_path, window, attention, monkeypatch):
+    """Three cache rows with contexts of different lengths (one fed in two appends, one with per-row starts) drafted
+    in one call, each row at its own position: every row's draft is the reference draft of its own context."""
+    arch, cfg, model = target
+    if attention == "tree_kernel":
+        monkeypatch.setattr(dflash_module, "TREE_KERNEL_DEVICES", ("cuda", "cpu"))
+    path = write_drafter(tmp_path, arch, cfg, window)
+    drafter = load_dflash_drafter(path, model, cfg, "cpu", torch.float32, max_len=MAX_LEN)
+    drafter.allocate(MAX_LEN, batch=4)
+    sd = load_file(path / "model.safetensors")
+    gen = torch.Generator().manual_seed(11)
+    width = drafter.config.num_taps * cfg.hidden_size
+    lengths = [30, 9, 21]
+    feats = [torch.randn(1, n, width, generator=gen) for n in lengths]
+    drafter.reset()
+    drafter.append_context(feats[0], 0, first_row=0)
+    drafter.append_context(feats[1][:, :4], 0, first_row=1)
+    both = torch.cat((feats[1][:, 4:9], feats[2][:, 16:21]))  # two rows at once, each from its own start
+    drafter.append_context(feats[2][:, :16], 0, first_row=2)
+    drafter.append_context(both, torch.tensor([4, 16]), first_row=1)
+    roots = torch.randint(0, cfg.vocab_size, (3,), generator=gen)
+    B = drafter.config.block_size
+    logits, hidden = drafter.draft(roots, torch.tensor(lengths), kv_len=max(lengths) + B)
+    assert logits.shape == (3, B - 1, cfg.vocab_size) and hidden.shape == (3, B - 1, cfg.hidden_size)
+    for r, L in enumerate(lengths):
+        ref_logits, ref_hidden = reference_draft(sd, drafter.config, model.embed_tokens, model.lm_head_weight,
+                                                 feats[r][0], int(roots[r]), L)
+        assert rel_err(logits[r], ref_logits) <= 1e-5, (r, rel_err(logits[r], ref_logits))
+        assert rel_err(hidden[r], ref_hidden) <= 1e-5
+
+
 @torch.no_grad()
 def test_causal_switch_changes_sliding_layers_only(target, tmp_path):
     """The switch must matter when sliding layers exist, and must not touch full-attention-only drafters."""

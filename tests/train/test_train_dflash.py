@@ -129,7 +129,7 @@ def test_block_mask_is_inference_mask_per_block(window, causal):
         rows = mask[j * B : (j + 1) * B]
         kpos = torch.cat((torch.arange(a), torch.full((T - a,), -1), torch.arange(a, a + B)))
         own = torch.cat((rows[:, :T], rows[:, T + j * B : T + (j + 1) * B]), dim=1)
-        assert torch.equal(own, attention_mask(torch.arange(a, a + B), kpos, window, causal)[0, 0])
+        assert torch.equal(own, attention_mask(torch.arange(a, a + B).view(1, B), kpos.view(1, -1), window, causal)[0, 0])
         others = torch.cat((rows[:, T : T + j * B], rows[:, T + (j + 1) * B :]), dim=1)
         assert not others.any()
 

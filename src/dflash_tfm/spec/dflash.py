@@ -1,8 +1,9 @@
-"""DFlash block drafter (z-lab format) for batch-1 inference, with a static context K/V cache.
+"""DFlash block drafter (z-lab format) for inference, with a static context K/V cache of one or more rows.
 
 One `draft` runs the block `[root, MASK x (B-1)]` at positions L .. L+B-1 through every layer in a single
 pass and returns, for block positions 1 .. B-1, the target lm_head's logits and the final-normed hidden state
-(position k predicts token L+k).
+(position k predicts token L+k). With several cache rows (`allocate(..., batch=n)`, for batched speculative
+decoding) one draft runs the blocks of the first rows together, each row at its own L.
 
 What the reference does with the context (z-lab/dflash `model/dflash.py` and `dflash/model.py`,
 `Qwen3DFlashAttention.forward`; SGLang `python/sglang/srt/models/dflash.py`, `DFlashAttention.kv_proj_only`
@@ -106,10 +107,11 @@ class DFlashLayer(nn.Module):
         context_then_block: bool = False,
         causal_in_block: bool = False,
     ) -> torch.Tensor:
-        """Block h [1, B, H] at positions [1, B] -> [1, B, H].
+        """Block h [b, B, H] at positions [b, B] -> [b, B, H].
 
-        The block's K/V are written to the cache [1, S, Hkv, D] at their positions, then the queries attend to
-        cache slots `slots` (an int n: slots 0..n-1; a tensor: those slot indices) under `mask` [1, 1, G*B, n]
+        The block's K/V are written to the cache [b, S, Hkv, D] at their positions, then the queries attend to
+        cache slots `slots` (an int n: slots 0..n-1; a tensor [b, n]: those slot indices per row) under `mask`
+        [b, 1, G*B, n]
         (the block mask repeated for the G query heads of a kv head, see `grouped_attention`).
         `context_then_block` says the mask is exactly "every context slot before the block + the block (all of
         it, or up to the query with `causal_in_block`)", as at inference when no window cuts the keys; then
@@ -125,8 +127,11 @@ class DFlashLayer(nn.Module):
         if context_then_block and isinstance(slots, int):
             o = block_attention(q, k, v, k_cache, v_cache, positions, slots, mask, self.scale, causal_in_block)
         else:
-            keys, values = (k_cache[:, :slots], v_cache[:, :slots]) if isinstance(slots, int) else \
-                (k_cache.index_select(1, slots), v_cache.index_select(1, slots))
+            if isinstance(slots, int):
+                keys, values = k_cache[:, :slots], v_cache[:, :slots]
+            else:
+                rows = torch.arange(batch, device=slots.device).view(batch, 1)
+                keys, values = k_cache[rows, slots], v_cache[rows, slots]
             o = grouped_attention(q, keys, values, mask, self.scale)
         h, x = self.post_norm.add_forward(h, linear(o, self.o_proj))
         return h + self.mlp(x)
@@ -135,7 +140,7 @@ class DFlashLayer(nn.Module):
 def grouped_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
 ) -> torch.Tensor:
-    """q [b, T, Hq, D]; k, v [b, S, Hkv, D]; mask [1, 1, G*T, S] with G = Hq / Hkv -> [b, T, Hq*D].
+    """q [b, T, Hq, D]; k, v [b, S, Hkv, D]; mask [b or 1, 1, G*T, S] with G = Hq / Hkv -> [b, T, Hq*D].
 
     The G query heads sharing a kv head are stacked along the query axis, so SDPA sees plain attention with
     Hkv heads and G*T queries: no K/V repeat, and every SDPA backend that takes a mask applies.
@@ -166,9 +171,9 @@ def block_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     positions: torch.Tensor, kv_len: int, mask: torch.Tensor, scale: float, causal_in_block: bool = False,
 ) -> torch.Tensor:
-    """Draft attention of the block (q [1, B, Hq, D]; its k, v [1, B, Hkv, D], already written at `positions`
-    [1, B] = L .. L+B-1) over the context slots [0, L) and the block (all of it, or up to each query with
-    `causal_in_block`), which `mask` [1, 1, G*B, kv_len] also says -> [1, B, Hq * D].
+    """Draft attention of the blocks (q [b, B, Hq, D]; their k, v [b, B, Hkv, D], already written at `positions`
+    [b, B] = L .. L+B-1 of each row) over the context slots [0, L) and the block (all of it, or up to each query
+    with `causal_in_block`), which `mask` [b, 1, G*B, kv_len] also says -> [b, B, Hq * D].
 
     On CUDA, for blocks of up to 63 queries (one int64 bitset word per node), the split-KV tree-attention kernel
     with the block as a tree (a chain when causal, else every node sees every node): on the H200 it took 10.6 µs
@@ -185,28 +190,29 @@ def block_attention(
 def attention_mask(
     qpos: torch.Tensor, kpos: torch.Tensor, window: int | None, causal: bool
 ) -> torch.Tensor:
-    """Which keys each block query sees: qpos [B] and kpos [S] absolute positions -> bool [1, 1, B, S].
+    """Which keys each block query sees: qpos [b, B] and kpos [b or 1, S] absolute positions -> bool
+    [b, 1, B, S].
 
     Keys must exist (kpos >= 0) and lie before the block's end (later slots are stale); sliding layers add
     q - p < W, and p - q < W too unless causal; `causal` adds p <= q.
     """
-    d = qpos.view(-1, 1) - kpos.view(1, -1)
-    visible = ((kpos >= 0) & (kpos <= qpos[-1])).view(1, -1).expand_as(d)
+    d = qpos[:, :, None] - kpos[:, None, :]
+    visible = ((kpos >= 0) & (kpos <= qpos[:, -1:]))[:, None, :].expand_as(d)
     if causal:
         visible = visible & (d >= 0)
     if window is not None:
         visible = visible & (d < window) & (-d < window)
-    return visible.view(1, 1, *d.shape)
+    return visible.unsqueeze(1)
 
 
 class DFlashDrafter(nn.Module):
     """The drafter's own weights plus references to the target's embeddings and lm_head (never copied).
 
     Parameters live on the device and in the dtype of the target's `embed_tokens`; `loading` fills them
-    (`load_dflash_drafter`) or `init_random_` does. Context K/V caches are `[1, max_len, Hkv, D]` per layer.
+    (`load_dflash_drafter`) or `init_random_` does. Context K/V caches are `[batch, max_len, Hkv, D]` per layer.
     """
 
-    def __init__(self, cfg: DFlashConfig, target: TokenHeads, max_len: int | None = None) -> None:
+    def __init__(self, cfg: DFlashConfig, target: TokenHeads, max_len: int | None = None, batch: int = 1) -> None:
         super().__init__()
         self.config = cfg
         embed = target.embed_tokens
@@ -223,10 +229,10 @@ class DFlashDrafter(nn.Module):
         self.register_buffer("_mask_ids", torch.full((B - 1,), cfg.mask_token_id, device=self.device), persistent=False)
         self.register_buffer("_block_offsets", torch.arange(B, device=self.device), persistent=False)
         self.requires_grad_(False).eval()
-        self.max_len = 0
+        self.max_len, self.batch = 0, 0
         self.caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         if max_len:
-            self.allocate(max_len)
+            self.allocate(max_len, batch=batch)
 
     @property
     def embed_tokens(self) -> torch.Tensor:
@@ -236,20 +242,20 @@ class DFlashDrafter(nn.Module):
     def lm_head_weight(self) -> torch.Tensor:
         return self._shared[1]
 
-    def allocate(self, max_len: int, device: torch.device | str | None = None) -> None:
-        """(Re)allocate the static context caches and RoPE tables for positions 0 .. max_len-1 (context plus
-        the block being drafted). `device` defaults to the target's and must match it."""
+    def allocate(self, max_len: int, device: torch.device | str | None = None, batch: int = 1) -> None:
+        """(Re)allocate the static context caches (`batch` rows, one per sequence) and RoPE tables for positions
+        0 .. max_len-1 (context plus the block being drafted). `device` defaults to the target's and must match."""
         if device is not None and torch.device(device).type != self.device.type:
             raise ValueError(f"drafter caches must live with the target's embeddings on {self.device}, not {device}")
         cfg = self.config
-        shape = (1, max_len, cfg.num_kv_heads, cfg.head_dim)
+        shape = (batch, max_len, cfg.num_kv_heads, cfg.head_dim)
         self.caches = [
             (torch.zeros(shape, dtype=self.dtype, device=self.device), torch.zeros(shape, dtype=self.dtype, device=self.device))
             for _ in self.layers
         ]
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.head_dim, cfg.rope, max_len, "drafter").to(self.device)
         self.register_buffer("_slots", torch.arange(max_len, device=self.device), persistent=False)
-        self.max_len = max_len
+        self.max_len, self.batch = max_len, batch
 
     def reset(self) -> None:
         """Start a new request. Not needed for correctness (a draft writes its block's slots before reading them
@@ -259,34 +265,41 @@ class DFlashDrafter(nn.Module):
             k.zero_()
             v.zero_()
 
-    def append_context(self, taps: list[torch.Tensor] | torch.Tensor, start: int | torch.Tensor) -> None:
-        """Cache the context K/V of T newly committed tokens at positions start .. start+T-1.
+    def append_context(self, taps: list[torch.Tensor] | torch.Tensor, start: int | torch.Tensor,
+                       first_row: int = 0) -> None:
+        """Cache the context K/V of T newly committed tokens at positions start .. start+T-1, in cache rows
+        first_row .. first_row + b - 1.
 
-        taps: the target's tap-layer outputs for those tokens, K tensors [1, T, H_target] in
-        `target_layer_ids` order, or their concatenation [1, T, K*H_target].
+        taps: the target's tap-layer outputs for those tokens, K tensors [b, T, H_target] in
+        `target_layer_ids` order, or their concatenation [b, T, K*H_target]; start: an int or a tensor of one
+        start per row ([b], or [1] for all).
         """
         feats = taps if isinstance(taps, torch.Tensor) else torch.cat(taps, dim=-1)
-        T = feats.shape[1]
+        b, T = feats.shape[:2]
         if feats.shape[-1] != self.fc.shape[1]:
             raise ValueError(f"context features have width {feats.shape[-1]}, the drafter's fc expects {self.fc.shape[1]}")
         if not self.caches:
             raise RuntimeError("call allocate(max_len) before append_context")
         if isinstance(start, int) and start + T > self.max_len:
             raise ValueError(f"context positions up to {start + T - 1} exceed the drafter cache (max_len {self.max_len})")
+        if first_row + b > self.batch:
+            raise ValueError(f"rows {first_row} .. {first_row + b - 1} exceed the drafter cache's {self.batch}")
         ctx = self.hidden_norm(linear(feats.to(self.dtype), self.fc))
-        positions = (torch.arange(T, device=self.device) + start).view(1, T)
+        first = start.view(-1, 1) if isinstance(start, torch.Tensor) else start
+        positions = (torch.arange(T, device=self.device) + first).expand(b, T)
         for layer, (k_cache, v_cache) in zip(self.layers, self.caches):
             k, v = layer.context_kv(ctx, positions, self.rope)
-            write_kv(k, v, positions, k_cache, v_cache)
+            write_kv(k, v, positions, k_cache[first_row : first_row + b], v_cache[first_row : first_row + b])
 
     def draft(
         self, root_token: torch.Tensor, position: int | torch.Tensor, kv_len: int | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One block draft: root_token [1] long (not yet in any cache) at `position` L, context [0, L) cached.
+        """One block draft per row of the first b cache rows: root_token [b] long (not yet in any cache) at
+        `position` L (an int, or a tensor [b] of each row's L, or [1] for all), context [0, L) cached.
 
         kv_len: static number of cache slots full-attention layers read (>= L + B; default max_len); fix it
-        per CUDA graph (e.g. a power-of-two bucket). Returns fp32 logits [1, B-1, V] and the final-normed
-        hidden states [1, B-1, H] of block positions 1 .. B-1.
+        per CUDA graph (e.g. a power-of-two bucket). Returns fp32 logits [b, B-1, V] and the final-normed
+        hidden states [b, B-1, H] of block positions 1 .. B-1.
         """
         B = self.config.block_size
         kv_len = self.max_len if kv_len is None else kv_len
@@ -294,17 +307,21 @@ class DFlashDrafter(nn.Module):
             raise ValueError(f"kv_len {kv_len} exceeds the allocated drafter cache (max_len {self.max_len})")
         if isinstance(position, int) and position + B > kv_len:
             raise ValueError(f"a block at position {position} needs kv_len >= {position + B}, got {kv_len}")
-        ids = torch.cat((root_token.view(1).to(self._mask_ids.dtype), self._mask_ids))
-        h = vocab_embedding(ids, self.embed_tokens, self.vocab_size).unsqueeze(0)
+        rows = root_token.numel()
+        if rows > self.batch:
+            raise ValueError(f"{rows} blocks exceed the drafter cache's {self.batch} rows")
+        ids = torch.cat((root_token.view(rows, 1).to(self._mask_ids.dtype), self._mask_ids.expand(rows, B - 1)), dim=1)
+        h = vocab_embedding(ids, self.embed_tokens, self.vocab_size)
         if self.config.input_embedding_scale != 1.0:
             h = h * self.config.input_embedding_scale
-        qpos = self._block_offsets + position  # [B]
+        first = position.view(-1, 1) if isinstance(position, torch.Tensor) else position
+        qpos = (self._block_offsets + first).expand(rows, B)  # [b, B]
         keys = {sliding: self._key_set(qpos, kv_len, sliding) for sliding in {layer.sliding for layer in self.layers}}
         cfg = self.config
         # every slot < kv_len is within the window of every query (or sliding layers have no window)
         unwindowed = cfg.sliding_window is None or kv_len <= cfg.sliding_window
         for layer, (k_cache, v_cache) in zip(self.layers, self.caches):
-            h = layer(h, qpos.view(1, B), self.rope, k_cache, v_cache, *keys[layer.sliding],
+            h = layer(h, qpos, self.rope, k_cache[:rows], v_cache[:rows], *keys[layer.sliding],
                       context_then_block=not layer.sliding or unwindowed,
                       causal_in_block=layer.sliding and cfg.causal_sliding_in_block)
         hidden = self.norm(h)[:, 1:]
@@ -330,10 +347,10 @@ class DFlashDrafter(nn.Module):
         causal = sliding and cfg.causal_sliding_in_block
         groups = cfg.num_heads // cfg.num_kv_heads
         if window is not None and window - 1 + cfg.block_size < kv_len:
-            kpos = qpos[0] - (window - 1) + self._slots[: window - 1 + cfg.block_size]
+            kpos = qpos[:, :1] - (window - 1) + self._slots[: window - 1 + cfg.block_size]  # [b, n]
             slots: int | torch.Tensor = kpos.clamp(min=0)
         else:
-            slots, kpos = kv_len, self._slots[:kv_len]
+            slots, kpos = kv_len, self._slots[:kv_len].view(1, -1)
         # built once per draft for all layers, additive (see `additive_mask`)
         return slots, additive_mask(attention_mask(qpos, kpos, window, causal).repeat(1, 1, groups, 1), self.dtype)
 
