@@ -42,10 +42,10 @@ def test_original_flags_accepted_and_inapplicable_ones_logged(caplog: pytest.Log
     logged = caplog.text
     for flag in ("--cuda-graph-max-bs=8", "--mem-fraction-static=0.85", "--page-size=64", "--disable-radix-cache",
                  "--attention-backend=fa3", "--decode-attention-backend=flashinfer", "--prefill-attention-backend=fa3",
-                 "--speculative-draft-attention-backend=fa3", "--disable-overlap-schedule",
-                 "--max-running-requests=4"):
+                 "--speculative-draft-attention-backend=fa3", "--disable-overlap-schedule"):
         assert f"{flag} accepted but not applicable" in logged, flag
     assert "--tp-size" not in logged and "--model-path" not in logged  # applicable flags are not flagged
+    assert args.max_running_requests == 4  # a fixed tree budget: speculative decoding is batched
     assert "serving on 0.0.0.0 without an API key" in logged  # bound beyond loopback with no key
 
 
@@ -64,7 +64,13 @@ def test_admission_bound_flags() -> None:
     assert four.max_running_requests == 4 and four.not_applicable == {}
     spec = parse_server_args(["--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", "/d",
                               "--max-running-requests", "4"])
-    assert spec.max_running_requests == 1 and "--max-running-requests=4" in spec.not_applicable
+    assert spec.max_running_requests == 1 and "--max-running-requests=4" in spec.not_applicable  # budget auto
+    fixed = parse_server_args(["--speculative-algorithm", "DDTREE", "--speculative-draft-model-path", "/d",
+                               "--speculative-tree-budget", "16", "--max-running-requests", "4"])
+    assert fixed.max_running_requests == 4 and fixed.not_applicable == {}  # batched speculative decoding
+    alone = parse_server_args(["--speculative-algorithm", "DDTREE", "--speculative-draft-model-path", "/d",
+                               "--speculative-tree-budget", "16"])
+    assert alone.max_running_requests == 1  # asked for explicitly only: a lone client decodes faster at batch 1
     assert parse_server_args(["--max-running-requests", "1", "--max-queued-requests", "3"]).max_admitted_requests == 3
 
 

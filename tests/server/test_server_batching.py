@@ -20,7 +20,8 @@ from dflash_tfm import SamplingParams
 from dflash_tfm.engine.result import GenerationStats
 from dflash_tfm.engine.sequence import Sequence, StreamDelta
 from tests.server import (ServerProcess, in_thread_server, reference_engine,  # noqa: F401 (fixtures below)
-                          reference_server_fixture, scrape, single_thread_fixture, wait_counts, wait_idle)
+                          reference_server_fixture, scrape, shared_server, single_thread_fixture, wait_counts,
+                          wait_idle)
 from tests.server.test_server_errors import SlowEngine
 
 COMPLETIONS = "/v1/completions"
@@ -80,6 +81,29 @@ def test_a_client_leaving_mid_stream_frees_its_slot_while_the_other_decodes(serv
         assert len(events) == 5 and all(e["choices"][0]["finish_reason"] is None for e in events)
     after = wait_idle(server.base_url, timeout=15.0)
     assert after[("dflash_tfm_aborted_requests_total", ())] == before[("dflash_tfm_aborted_requests_total", ())] + 2
+
+
+def test_speculative_clients_share_steps_and_get_their_solo_outputs() -> None:
+    """DDTREE at a fixed budget with --max-running-requests 4: concurrent clients decode in shared steps (one
+    verify over all their trees) and each gets plain greedy decoding's text."""
+    server = shared_server("--speculative-algorithm", "DDTREE", "--speculative-tree-budget", "16",
+                           "--max-running-requests", "4")
+    engine = reference_engine()
+    requests = [(f"Question {i}: name {i + 2} animals.", n) for i, n in enumerate([12, 5, 20, 9])]
+    before = wait_idle(server.base_url)
+
+    def ask(request: tuple[str, int]) -> str:
+        body = {"prompt": request[0], "max_tokens": request[1], "temperature": 0}
+        return httpx.post(f"{server.base_url}{COMPLETIONS}", json=body, timeout=120.0).json()["choices"][0]["text"]
+
+    with ThreadPoolExecutor(len(requests)) as pool:
+        answers = list(pool.map(ask, requests))
+    assert answers == [engine.generate(p, SamplingParams(temperature=0.0, max_new_tokens=n)).text for p, n in requests]
+    after = scrape(server.base_url)
+    assert after[("dflash_tfm_max_running_requests", ())] == 4
+    steps = after[("dflash_tfm_batch_size_count", ())] - before[("dflash_tfm_batch_size_count", ())]
+    rows = after[("dflash_tfm_batch_size_sum", ())] - before[("dflash_tfm_batch_size_sum", ())]
+    assert rows / steps > 1.5, (rows, steps)
 
 
 # ---- the worker's batched path with a fake engine ---------------------------------------------------------

@@ -31,16 +31,18 @@ ADAPTIVE_CHAIN_SIZES = (0, 3, 7, 15)  # capped at the drafter's block - 1
 CALIBRATION_PROMPT_TOKENS = 64
 
 
-def build_decoder(runner: ModelRunner, cfg: ModelConfig,
-                  spec: SpeculativeConfig) -> AutoregressiveDecoder | SpeculativeDecoder:
+def build_decoder(runner: ModelRunner, cfg: ModelConfig, spec: SpeculativeConfig,
+                  drafter_rows: int = 1) -> AutoregressiveDecoder | SpeculativeDecoder:
     """The decoder `spec` describes; its checkpoint paths must be set (`SpeculativeConfig.with_checkpoints`).
-    With an adaptive budget the step time of every candidate size is measured here, on this machine."""
+    With an adaptive budget the step time of every candidate size is measured here, on this machine.
+    drafter_rows: context-cache rows of the drafter (a `SpeculativeBatch` shares it; the decoder uses row 0)."""
     if not spec.enabled:
         return AutoregressiveDecoder(runner)
     spec = spec.with_checkpoints()
     # The drafter writes its block's K/V as scratch after the context: room for a block past the last position.
     drafter = load_dflash_drafter(
         spec.draft_model_path, runner.model, cfg, runner.device, runner.dtype, max_len=runner.max_len + 64,
+        batch=drafter_rows,
     )
     block = drafter.config.block_size
     if spec.block_size is not None and spec.block_size != block:

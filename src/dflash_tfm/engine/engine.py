@@ -29,6 +29,7 @@ from dflash_tfm.engine.detokenizer import IncrementalDetokenizer
 from dflash_tfm.engine.model_runner import ModelRunner
 from dflash_tfm.engine.result import GenerationResult, GenerationStats
 from dflash_tfm.engine.sequence import Sequence, StreamDelta
+from dflash_tfm.engine.speculative_batch import TREE_SLACK, SpeculativeBatch
 from dflash_tfm.loading.default_model import DEFAULT_BUNDLE
 from dflash_tfm.loading.loader import auto_dtype, load_target, parse_dtype
 from dflash_tfm.parallel.group import broadcast_object, init_tensor_parallel, tp_rank, tp_size as group_size
@@ -64,9 +65,10 @@ class Engine:
         quantization "fp8" holds a BF16 checkpoint's projections in FP8 (loading/fp8_layout.py); FP8 checkpoints
         load as FP8 either way.
         max_model_len defaults to min(the model's context, 32768) and sizes the static caches.
-        max_running_requests > 1 (autoregressive decoding only) sizes the caches for that many rows and enables
-        continuous batching (`add_request` / `step`); `stream` then decodes in row 0, so it refuses to run while
-        batched requests hold slots.
+        max_running_requests > 1 sizes the caches for that many rows and enables continuous batching
+        (`add_request` / `step`): autoregressive (`ContinuousBatch`) or speculative with a fixed tree budget
+        (`SpeculativeBatch`); `stream` then decodes in row 0, so it refuses to run while batched requests hold
+        slots.
         `self.speculative` is the config as run: checkpoint paths filled in, block_size the drafter's own.
         tp_size > 1 splits the target over that many processes (`parallel/`), each of which builds this Engine
         (started by the command itself or a launcher): the drafter and Weaver are replicated, so every rank builds
@@ -75,10 +77,11 @@ class Engine:
         speculative = (speculative or SpeculativeConfig()).with_checkpoints(DEFAULT_BUNDLE if model_path is None else None)
         if max_running_requests < 1:
             raise ValueError(f"max_running_requests must be >= 1, got {max_running_requests}")
-        if max_running_requests > 1 and speculative.enabled:
+        if max_running_requests > 1 and speculative.enabled and speculative.adaptive:
             raise ValueError(
-                f"max_running_requests={max_running_requests} needs autoregressive decoding: speculative algorithms "
-                f"({speculative.algorithm}) decode one request at a time; use max_running_requests=1"
+                f"max_running_requests={max_running_requests} batches speculative decoding at a fixed proposal size, "
+                f"but the tree budget is 'auto' (chosen step by step for one request): give a number, e.g. 16, or "
+                "use max_running_requests=1"
             )
         self.device = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
         if self.device.type == "cuda" and not torch.cuda.is_available():
@@ -90,8 +93,11 @@ class Engine:
             dtype = auto_dtype(self.device)
         self.dtype = parse_dtype(dtype)
         # RoPE tables only need the positions the caches can hold (not e.g. Qwen3.6's 262144).
-        loaded = load_target(model_path, self.device, self.dtype, max_positions=max_model_len or DEFAULT_MAX_MODEL_LEN,
-                             progress=progress, quantization=quantization, shard=Shard(tp_rank(), tp_size))
+        spec_batch = max_running_requests > 1 and speculative.enabled
+        slack = TREE_SLACK if spec_batch else 0  # a batched tree may reach past the context (`SpeculativeBatch`)
+        loaded = load_target(model_path, self.device, self.dtype,
+                             max_positions=(max_model_len or DEFAULT_MAX_MODEL_LEN) + slack, progress=progress,
+                             quantization=quantization, shard=Shard(tp_rank(), tp_size))
         self.config, self.tokenizer, self.model_path = loaded.config, loaded.tokenizer, loaded.source_path
         limit = min(self.config.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
         self.max_model_len = int(max_model_len or limit)
@@ -100,20 +106,24 @@ class Engine:
                 f"max_model_len must be in [2, {self.config.max_position_embeddings}], got {self.max_model_len}"
             )
         self.max_running_requests = max_running_requests
-        self.batch: ContinuousBatch | None = None
+        self.batch: ContinuousBatch | SpeculativeBatch | None = None
         self._streaming = False  # a `stream` is open (it decodes in row 0 of the batch's cache)
         # Rank 0 at tp > 1: the admissions and aborts the other ranks apply before the next batched step. A
         # request is known there by its slot: every rank fills and frees slots in the same order.
         self._lockstep_commands: list[tuple] = []
         shared_cache = None
         if max_running_requests > 1:
-            batch_runner = BatchRunner(loaded.model, max_running_requests, self.max_model_len, self.device,
+            batch_runner = BatchRunner(loaded.model, max_running_requests, self.max_model_len + slack, self.device,
                                        use_cuda_graph=use_cuda_graph)
-            self.batch = ContinuousBatch(batch_runner)
             shared_cache = batch_runner.cache.row(0)  # one request alone decodes in row 0: no second cache
         self.runner = ModelRunner(loaded.model, self.max_model_len, self.device, use_cuda_graph=use_cuda_graph,
                                   cache=shared_cache)
-        self.decoder = build_decoder(self.runner, self.config, speculative)
+        self.decoder = build_decoder(self.runner, self.config, speculative, drafter_rows=max_running_requests)
+        if spec_batch:  # the batch shares the decoder's drafter (row 0 is the lone request's) and its proposer
+            (proposer,) = self.decoder.proposers.values()
+            self.batch = SpeculativeBatch(batch_runner, self.decoder.drafter, proposer, self.max_model_len)
+        elif max_running_requests > 1:
+            self.batch = ContinuousBatch(batch_runner)
         block = getattr(self.decoder, "block", None)
         self.speculative = replace(speculative, block_size=block) if speculative.enabled else speculative
         self.eos_token_ids = set(self.config.eos_token_ids)
@@ -287,11 +297,11 @@ class Engine:
             stats.draft_sizes[size] = stats.draft_sizes.get(size, 0) + 1
             stats.accepted_draft_tokens += len(pending) - 1
 
-    # ---- continuous batching (autoregressive, max_running_requests > 1) ------------------------------
+    # ---- continuous batching (max_running_requests > 1) ----------------------------------------------
     def _running_batch(self) -> ContinuousBatch:
         if self.batch is None:
-            raise RuntimeError("continuous batching needs an autoregressive Engine built with "
-                               "max_running_requests > 1; this one decodes one request at a time (use stream)")
+            raise RuntimeError("continuous batching needs an Engine built with max_running_requests > 1; this one "
+                               "decodes one request at a time (use stream)")
         return self.batch
 
     @property

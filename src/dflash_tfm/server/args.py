@@ -55,7 +55,8 @@ class ServerArgs:
     """Validated launch settings: what builds the Engine, then the server's own settings.
 
     max_running_requests is what the engine decodes together: the flag (default 8) for autoregressive
-    decoding, 1 with a speculative algorithm (batch 1 for now).
+    decoding; with a speculative algorithm 1 unless the flag asks for more and the tree budget is a number
+    (batched speculative decoding runs a fixed proposal size, eagerly: a lone client is faster at batch 1).
 
     allowed_hosts None accepts any Host header (the default when bound to a non-loopback address); api_key
     None serves without authentication."""
@@ -175,11 +176,12 @@ def server_args_from_namespace(ns: argparse.Namespace, environ: dict[str, str] |
         for dest, why in NOT_APPLICABLE.items() if getattr(ns, dest) not in (None, False)
     }
     running = DEFAULT_MAX_RUNNING if ns.max_running_requests is None else ns.max_running_requests
-    if spec.enabled:
+    if spec.enabled and (ns.max_running_requests is None or spec.adaptive):
         running = 1
         if ns.max_running_requests is not None and ns.max_running_requests > 1:
             not_applicable[f"--max-running-requests={ns.max_running_requests}"] = (
-                f"{spec.algorithm} decodes 1 request at a time (batch 1); others wait in a FIFO queue"
+                f"{spec.algorithm} with the tree budget 'auto' decodes 1 request at a time (others wait in a FIFO "
+                "queue); give the tree budget a number to batch speculative decoding"
             )
     not_applicable.update(unused_speculative_flags(ns, spec))
     if ns.max_queued_requests is not None:

@@ -394,12 +394,14 @@ def load_dflash_drafter(
     dtype: torch.dtype,
     max_len: int | None = None,
     causal_sliding_in_block: bool | None = None,
+    batch: int = 1,
 ) -> DFlashDrafter:
     """Load a z-lab DFlash drafter directory (config.json + safetensors) for `target_model`, strictly.
 
     Every check runs on the config and the shard headers before a tensor is read: the drafter must fit the
     target (`DFlashConfig.check_fits`) and the tensors must be exactly the expected set with the expected
-    shapes. The drafter runs in the target's dtype and on its device (`device`, `dtype` must agree).
+    shapes. The drafter runs in the target's dtype and on its device (`device`, `dtype` must agree); its context
+    caches hold `batch` rows of `max_len` positions.
     """
     cfg = load_dflash_config(path, causal_sliding_in_block)
     try:
@@ -425,7 +427,7 @@ def load_dflash_drafter(
         raise ValueError(
             f"the drafter runs with the target's embeddings ({embed.dtype} on {embed.device}); got {dtype} on {device}"
         )
-    drafter = DFlashDrafter(cfg, target_model, max_len)
+    drafter = DFlashDrafter(cfg, target_model, max_len, batch)
     params = dict(drafter.named_parameters())
     with torch.no_grad():
         for name, spec in specs.items():

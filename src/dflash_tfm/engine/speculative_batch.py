@@ -1,0 +1,205 @@
+"""Continuous batching of speculative decoding: many requests, one drafter pass and one target verify per step.
+
+Why: while the target is weight-bound, verifying the trees of several sequences in one forward costs little more
+than verifying one, so a server with speculative decoding should not make its clients take turns. Each running
+request owns one row (slot) of the target's cache (`BatchRunner`) and of the drafter's context cache
+(`DFlashDrafter.allocate(..., batch=slots)`). A `step`:
+
+1. prefills the prompt of at most one newcomer, whole (in chunks of `prefill_chunk`), into its rows, and draws
+   its first token: the trees of the running rows share the target's forward, and a row still in its prompt
+   could not sit out that forward's commit, so a newcomer joins only once its prompt is in;
+2. drafts every row of the step's batch bucket in one drafter pass, each row at its own length;
+3. builds one tree per row with the proposer (row by row: the builders are batch-1);
+4. verifies all trees in ONE target forward (tree attention and the Gated-DeltaNet tree kernels take a batch
+   with one committed length per row);
+5. accepts each row along its own target draws, with its request's own sampling settings and generator (the
+   uniforms are drawn from it in the same order as when the request decodes alone, so a request's tokens do not
+   depend on which others share its steps), and commits every row's path in one call;
+6. reads the produced tokens of every row at once (one host read) and pushes them through each request's stop
+   conditions.
+
+Rows of the bucket that hold no request run a throwaway tree at position 0: admission resets the row's state and
+the prefill overwrites what that wrote. The proposal size is fixed (the engine's tree budget); the caches carry
+`TREE_SLACK` positions beyond the context so a request can decode to the last position of its context with a
+whole tree. The step runs eagerly (no CUDA graphs yet).
+"""
+from __future__ import annotations
+
+import collections
+import time
+
+import torch
+
+from dflash_tfm.engine.batch_runner import BatchRunner, batch_bucket
+from dflash_tfm.engine.model_runner import key_length_bucket, prefill_in_chunks
+from dflash_tfm.engine.sequence import Sequence, StreamDelta
+from dflash_tfm.engine.speculative import Proposer
+from dflash_tfm.layers.linear import skinny_projections
+from dflash_tfm.sampling import sample
+from dflash_tfm.spec.accept import accept_tree, target_draws
+from dflash_tfm.tree import TreeSpec
+
+TREE_SLACK = 64  # cache positions past the context: the deepest tree a drafter block (<= 64) can propose
+
+
+class SpeculativeBatch:
+    def __init__(self, runner: BatchRunner, drafter, proposer: Proposer, max_len: int,
+                 prefill_chunk: int = 2048) -> None:
+        """runner: the target's rows (`max_len` + `TREE_SLACK` positions each); drafter: its context caches with
+        at least `runner.slots` rows; proposer: the tree every row builds; max_len: the context a request may
+        fill (`Sequence.budget` keeps it there)."""
+        if prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+        if runner.max_len < max_len + drafter.config.block_size or drafter.batch < runner.slots:
+            raise ValueError(f"the batch needs {runner.slots} drafter rows and target rows of >= "
+                             f"{max_len + drafter.config.block_size} positions (max_len + a tree)")
+        self.runner, self.drafter, self.proposer, self.max_len = runner, drafter, proposer, max_len
+        self.prefill_chunk = prefill_chunk
+        self.model = runner.model
+        self.tap_layers = tuple(drafter.config.target_layer_ids)
+        self.block = drafter.config.block_size
+        self.max_depth = self.block - 1
+        slots, device = runner.slots, runner.device
+        self._slots: list[Sequence | None] = [None] * slots
+        self._to_prefill: collections.deque[Sequence] = collections.deque()
+        self._length = torch.zeros(slots, dtype=torch.long, device=device)
+        self._root = torch.zeros(slots, dtype=torch.long, device=device)
+        self._h_last = torch.zeros(slots, self.model.config.hidden_size, dtype=self.model.embed_tokens.dtype,
+                                   device=device)
+        self._uniforms = torch.zeros(slots, proposer.num_nodes, device=device)
+        self._steps = torch.arange(self.block, device=device)
+
+    # ---- the ContinuousBatch interface ----------------------------------------------------------------
+    @property
+    def running(self) -> int:
+        return sum(seq is not None for seq in self._slots)
+
+    @property
+    def free_slots(self) -> int:
+        return self.runner.slots - self.running
+
+    def add(self, seq: Sequence) -> None:
+        """Give `seq` the lowest free slot; the next step prefills its prompt."""
+        if not self.free_slots:
+            raise RuntimeError(f"all {self.runner.slots} slots are running (max_running_requests); "
+                               "add a request only while free_slots > 0")
+        seq.slot = self._slots.index(None)
+        self._slots[seq.slot] = seq
+        self._to_prefill.append(seq)
+        self.runner.reset_row(seq.slot)
+
+    def holds(self, seq: Sequence) -> bool:
+        return 0 <= seq.slot < len(self._slots) and self._slots[seq.slot] is seq
+
+    def in_slot(self, slot: int) -> Sequence | None:
+        return self._slots[slot]
+
+    def abort(self, seq: Sequence) -> None:
+        if self.holds(seq):
+            self._release(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        self._slots[seq.slot] = None
+        self._length[seq.slot] = 0  # its throwaway trees stay at the start of the row
+        if seq in self._to_prefill:
+            self._to_prefill.remove(seq)
+
+    # ---- the step --------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self) -> list[tuple[Sequence, StreamDelta]]:
+        """Prefill one newcomer (if any), then one speculative step of every decoding row -> each produced token
+        as (request, delta); a request's last delta has its finish reason."""
+        out: list[tuple[Sequence, StreamDelta]] = []
+        if self._to_prefill:
+            seq = self._to_prefill.popleft()
+            delta = self._prefill(seq)
+            out.append((seq, delta))
+            if seq.finished:
+                self._release(seq)
+        rows = {s.slot: s for s in self._slots if s is not None and s not in self._to_prefill}
+        if not rows:
+            return out
+        bucket = batch_bucket(max(rows) + 1, self.runner.slots)
+        with skinny_projections():  # a bucket's row counts are fixed: projections may take their tuned kernels
+            emitted = self._speculate(bucket, rows)
+        for slot, seq in rows.items():
+            tokens = emitted[slot]
+            stats = seq.stats
+            stats.verify_steps += 1
+            size = self.proposer.num_nodes - 1
+            stats.draft_tokens += size
+            stats.draft_sizes[size] = stats.draft_sizes.get(size, 0) + 1
+            stats.accepted_draft_tokens += len(tokens) - 1
+            for token in tokens:
+                out.append((seq, seq.push(token)))
+                if seq.finished:
+                    self._release(seq)
+                    break
+        return out
+
+    def _prefill(self, seq: Sequence) -> StreamDelta:
+        """The whole prompt into `seq`'s rows (target and drafter context), then its first token."""
+        start = time.perf_counter()
+        slot, prompt = seq.slot, seq.prompt_ids
+        last = prefill_in_chunks(
+            self.model, torch.tensor(prompt, dtype=torch.long, device=self.runner.device), self.runner.cache.row(slot),
+            0, self.prefill_chunk, self.tap_layers,
+            lambda taps, start: self.drafter.append_context(torch.cat(taps, dim=-1), start, first_row=slot))
+        token = sample(self.model.logits(last).view(1, -1), seq.params, seq.generator).view(1)
+        self._root[slot] = token[0]
+        self._h_last[slot] = last
+        self._length[slot] = len(prompt)
+        seq.length = len(prompt)
+        seq.stats.prefill_seconds += time.perf_counter() - start
+        seq.stats.verify_steps = 1  # the prefill forward produced the first token
+        seq.decode_started = time.perf_counter()
+        return seq.push(int(token[0]))
+
+    def _speculate(self, bucket: int, rows: dict[int, Sequence]) -> dict[int, list[int]]:
+        """Draft -> trees -> one verify -> per-row acceptance -> one commit over rows 0 .. bucket - 1; the tokens
+        each decoding row produced (its accepted drafts, then the bonus token)."""
+        lengths = self._length[:bucket]
+        longest = max(seq.length for seq in rows.values())
+        draft_len = key_length_bucket(longest + self.max_depth, self.runner.max_len)
+        logits, hidden = self.drafter.draft(self._root[:bucket], lengths, draft_len)
+        built = [self.proposer.build(self._root[r : r + 1], logits[r], hidden[r], self._h_last[r])
+                 for r in range(bucket)]
+        tokens, parents, depths = (torch.stack(parts) for parts in zip(*built))
+        tree = TreeSpec.build(tokens, parents, cache_len=lengths)
+        cache = self.runner.cache.rows(0, bucket)
+        out, taps, saved = self.model.verify(tree, cache, lengths, self.tap_layers)
+        target_logits = self.model.logits(out)
+        ancestors = tree.ancestor_mask()
+        accepted, paths, lasts, bonuses = [], [], [], []
+        for r in range(bucket):
+            seq = rows.get(r)
+            params = seq.params if seq is not None else None
+            if params is not None and not params.greedy:
+                self._uniforms[r].uniform_(generator=seq.generator)
+            draws = target_logits[r].argmax(-1) if params is None else \
+                target_draws(target_logits[r], params, self._uniforms[r])
+            acc = accept_tree(tokens[r], parents[r], depths[r], ancestors[r], draws, self.max_depth)
+            accepted.append(acc.accepted)
+            paths.append(acc.path)
+            lasts.append(acc.last)
+            bonuses.append(acc.bonus)
+        accepted, path = torch.stack(accepted), torch.stack(paths)
+        last, bonus = torch.stack(lasts), torch.stack(bonuses)
+        self.model.commit(cache, lengths, tree, saved, accepted, path)
+        on_path = torch.where(path >= 0, path, last[:, None])  # padding repeats the last node: scratch slots
+        feats = torch.cat(taps, dim=-1)
+        self.drafter.append_context(feats.gather(1, on_path[:, :, None].expand(-1, -1, feats.shape[-1])), lengths)
+        count = (path >= 0).sum(-1)
+        after = torch.cat([path[:, 1:], path.new_full((bucket, 1), -1)], dim=1)  # the node after each path node
+        produced = torch.where(after >= 0, tokens.gather(1, after.clamp(min=0)), -1)
+        produced = torch.where(self._steps[None, :] == (count - 1)[:, None], bonus[:, None], produced)
+        self._h_last[:bucket] = out[torch.arange(bucket, device=out.device), last]
+        self._root[:bucket] = bonus
+        self._length[:bucket] += count
+        produced_host = produced.tolist()  # the one host read of the step
+        emitted = {}
+        for slot, seq in rows.items():
+            row = produced_host[slot]
+            emitted[slot] = row[: row.index(-1)] if -1 in row else row
+            seq.length += len(emitted[slot])
+        return emitted
