@@ -17,7 +17,7 @@ from dflash_tfm.engine.speculative_batch import SpeculativeBatch
 from dflash_tfm.loading.loader import open_checkpoint
 from dflash_tfm.spec.fixtures import write_random_dflash_checkpoint
 from dflash_tfm.spec.weaver_fixtures import write_random_weaver_checkpoint
-from tests.engine.test_continuous_batching import MAX_LEN, SLOTS, mixed_requests, one_thread, run_batch, solo  # noqa: F401
+from tests.engine.test_continuous_batching import MAX_LEN, SLOTS, mixed_requests, one_thread, run_batch, solo  # noqa: F401 (fixture)
 from tests.train.tiny_chat import save_tiny_chat_model
 
 BLOCK = 8

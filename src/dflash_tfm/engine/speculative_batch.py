@@ -169,22 +169,13 @@ class SpeculativeBatch:
         cache = self.runner.cache.rows(0, bucket)
         out, taps, saved = self.model.verify(tree, cache, lengths, self.tap_layers)
         target_logits = self.model.logits(out)
-        ancestors = tree.ancestor_mask()
-        accepted, paths, lasts, bonuses = [], [], [], []
-        for r in range(bucket):
-            seq = rows.get(r)
-            params = seq.params if seq is not None else None
-            if params is not None and not params.greedy:
+        draws = target_logits.argmax(-1)  # greedy rows (and rows without a request)
+        for r, seq in rows.items():
+            if not seq.params.greedy:
                 self._uniforms[r].uniform_(generator=seq.generator)
-            draws = target_logits[r].argmax(-1) if params is None else \
-                target_draws(target_logits[r], params, self._uniforms[r])
-            acc = accept_tree(tokens[r], parents[r], depths[r], ancestors[r], draws, self.max_depth)
-            accepted.append(acc.accepted)
-            paths.append(acc.path)
-            lasts.append(acc.last)
-            bonuses.append(acc.bonus)
-        accepted, path = torch.stack(accepted), torch.stack(paths)
-        last, bonus = torch.stack(lasts), torch.stack(bonuses)
+                draws[r] = target_draws(target_logits[r], seq.params, self._uniforms[r])
+        acc = accept_tree(tokens, parents, depths, tree.ancestor_mask(), draws, self.max_depth)
+        accepted, path, last, bonus = acc.accepted, acc.path, acc.last, acc.bonus
         self.model.commit(cache, lengths, tree, saved, accepted, path)
         on_path = torch.where(path >= 0, path, last[:, None])  # padding repeats the last node: scratch slots
         feats = torch.cat(taps, dim=-1)

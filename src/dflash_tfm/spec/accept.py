@@ -18,8 +18,9 @@ from dflash_tfm.sampling_params import SamplingParams
 
 @dataclass
 class Acceptance:
-    """accepted [N] bool (root included); path [max_depth + 1] node indices root first, -1 padded;
-    last: the deepest accepted node (0-dim); bonus: the target's token drawn there (0-dim)."""
+    """accepted [..., N] bool (root included); path [..., max_depth + 1] node indices root first, -1 padded;
+    last: the deepest accepted node [...]; bonus: the target's token drawn there [...] (no leading dims: one
+    tree)."""
 
     accepted: torch.Tensor
     path: torch.Tensor
@@ -46,19 +47,20 @@ def accept_tree(
 ) -> Acceptance:
     """Walk the tree along the target's draws.
 
-    tokens, parents, depths, draws [N]; ancestors [N, N] bool inclusive ancestor mask. Siblings carry
-    distinct tokens, so at most one child matches a draw and the accepted nodes form a root path.
+    tokens, parents, depths, draws [..., N]; ancestors [..., N, N] bool inclusive ancestor mask (leading dims: a
+    batch of trees, walked independently). Siblings carry distinct tokens, so at most one child matches a draw
+    and the accepted nodes form a root path.
     """
-    N = tokens.shape[0]
-    parent_draw = draws[parents.clamp(min=0)]
+    N = tokens.shape[-1]
+    parent_draw = draws.gather(-1, parents.clamp(min=0))
     match = (tokens == parent_draw) | (parents < 0)
-    accepted = ~(ancestors & ~match.unsqueeze(0)).any(dim=-1)
-    last = torch.where(accepted, depths, torch.full_like(depths, -1)).argmax()
+    accepted = ~(ancestors & ~match.unsqueeze(-2)).any(dim=-1)
+    last = torch.where(accepted, depths, torch.full_like(depths, -1)).argmax(dim=-1)
     slot = torch.where(accepted, depths, torch.full_like(depths, max_depth + 1))
-    path = torch.full((max_depth + 2,), -1, dtype=torch.long, device=tokens.device)
-    path.scatter_(0, slot, torch.arange(N, device=tokens.device))
-    bonus = draws.index_select(0, last.view(1))[0]  # (indexing with a 0-dim tensor would sync the host)
-    return Acceptance(accepted=accepted, path=path[: max_depth + 1], last=last, bonus=bonus)
+    path = torch.full((*tokens.shape[:-1], max_depth + 2), -1, dtype=torch.long, device=tokens.device)
+    path.scatter_(-1, slot, torch.arange(N, device=tokens.device).expand_as(slot))
+    bonus = draws.gather(-1, last.unsqueeze(-1)).squeeze(-1)  # (indexing with a 0-dim tensor would sync the host)
+    return Acceptance(accepted=accepted, path=path[..., : max_depth + 1], last=last, bonus=bonus)
 
 
 def expected_accepted(
