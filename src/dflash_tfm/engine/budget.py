@@ -7,25 +7,30 @@ verify grow with the context, and a request's context is not the short one the s
 b > 0 includes the next step's draft, a plain decode step does not. Each draft gives, for every size at
 once, the drafter-side estimate E(b) of the drafts the target would accept (`spec.acceptance_estimate`). Drafters
 are not calibrated and Weaver's trees accept more than the marginals' best-first tree, so each size's estimate is
-scaled by c(b) = EMA(accepted) / EMA(E(b)) over the steps taken at that size. A size never taken borrows the
-largest calibration of the sizes taken: an optimistic guess is corrected by the steps that take the size, a
-pessimistic one never would be, since a size that looks too poor to take stays untaken. For the same reason the
-first draft is always verified (at its best size): before any size is calibrated, the estimates alone tend to
-undervalue trees against a plain decode step.
+scaled by c(b) = EMA(accepted) / EMA(E(b)) over the steps taken at that size, shrunk towards the mean of the
+sizes taken by `SHRINK_STEPS` pseudo-steps (a few unlucky steps must not rule a size out for good). A size never
+taken borrows the largest calibration of the sizes taken: an optimistic guess is corrected by the steps that take
+the size, a pessimistic one never would be, since a size that looks too poor to take stays untaken. For the same
+reason the first draft is always verified: before any size is calibrated, the estimates alone tend to undervalue
+trees against a plain decode step.
 
-Two decisions are made, on two time scales:
+Each draft's expected rate of every size, (1 + c(b) E(b)) / T(b), is smoothed over the drafts (a plain mean over
+the first ones, then an EMA) into R(b). Three decisions follow, on two time scales:
 
-* **Whether to keep drafting** (slow). Each draft's best expected rate max_b (1 + c(b) E(b)) / T(b), relative to
-  plain decoding's 1 / T(0), is smoothed into the *gain* of speculation. While the gain exceeds 1 + `MARGIN` (room
-  for older step times and a lagging calibration) every step drafts. One draft with a poor estimate (a hard token)
-  must not stop speculation: without drafts there is no estimate to resume from, so a per-step choice of 0 that also
-  stopped drafting would trap a request in plain decoding. Once the gain falls to 1 + `MARGIN` or below (a CPU, a
-  target whose verify is dear, a drafter that never agrees), steps decode plainly and draft only every so often, to
-  see whether speculation pays again: the interval starts where probing costs at most `PROBE_SHARE` of the decode
-  time and doubles after each probe that leaves the gain there (up to `MAX_PROBE_INTERVAL`), and each request starts
-  again from the shortest.
-* **Which size this step takes** (fast): argmax_b of the expected rate, where size 0 while drafting costs a
-  decode step plus the next draft, T(0) + draft.
+* **Which size** (slow): b* = argmax_b R(b). One draft's estimates are too noisy to pick among sizes: replaying
+  the per-step argmax on recorded SmolLM2 steps (`acceptance_estimate`'s estimates against each size's exact
+  acceptance) lost a fifth of the throughput of a fixed budget; the smoothed choice matched the best fixed one.
+* **Whether to keep drafting** (slow). The *gain* of speculation is R(b*) T(0), relative to plain decoding.
+  While it exceeds 1 + `MARGIN` (room for older step times and a lagging calibration), or fewer than
+  `MIN_DRAFTS` drafts were seen, every step drafts: a response's first tokens are often hard, and one poor first
+  estimate must not decide for the whole machine. Once the gain falls to 1 + `MARGIN` or below (a CPU, a target
+  whose verify is dear, a drafter that never agrees), steps decode plainly and draft only every so often, to see
+  whether speculation pays again: the interval starts where probing costs at most `PROBE_SHARE` of the decode
+  time and doubles after each probe that leaves the gain there (up to `MAX_PROBE_INTERVAL`), and each request
+  starts again from the shortest.
+* **Whether this step verifies** (fast): size b* unless this draft's own rate at b* is below that of a decode
+  step while drafting goes on, 1 / (T(0) + draft): then size 0, a plain decode step (a hard token). Drafting goes
+  on either way: without drafts there would be no estimate to resume from.
 
 The choice depends only on what happened before the step, never on the step's own target draws, so acceptance
 stays lossless whatever sizes are chosen.
@@ -40,6 +45,8 @@ PRIOR = 0.5  # pseudo-drafts added to both sides of c(b): a few steps cannot swi
 # Speculation must promise this much more than plain decoding before steps draft: the time of a size not taken
 # lately is an older measurement, and the calibration lags what the drafts are accepting now.
 MARGIN = 0.05
+MIN_DRAFTS = 16
+SHRINK_STEPS = 4
 PROBE_SHARE = 0.01
 MAX_PROBE_INTERVAL = 1024
 
@@ -59,7 +66,10 @@ class BudgetController:
         self.smoothing = smoothing
         self._accepted: dict[int, float] = {}
         self._predicted: dict[int, float] = {}
+        self._steps_at: dict[int, int] = {}  # steps taken at each size (capped at the EMA's horizon)
+        self._rates: dict[int, float] = {}  # R(b): each size's expected rate, smoothed over the drafts
         self._gain: float | None = None  # None until the first draft: speculate until shown otherwise
+        self._drafts = 0  # drafts seen since construction (or `forget`)
         self._first_verified = False  # the first draft was verified (see the module docstring)
         self._steps_since_draft = 0
         self._probe_interval = self.probe_every
@@ -67,12 +77,12 @@ class BudgetController:
 
     @property
     def gain(self) -> float | None:
-        """The smoothed best expected rate of the drafts so far over plain decoding's (None before any draft)."""
+        """The best smoothed expected rate R(b*) over plain decoding's (None before any draft)."""
         return self._gain
 
     @property
     def speculating(self) -> bool:
-        return self._gain is None or self._gain > 1.0 + MARGIN
+        return self._drafts < MIN_DRAFTS or self._gain > 1.0 + MARGIN
 
     def forget(self) -> None:
         """Drop everything learned from steps (calibrations, the gain, the counts, realised step times): the
@@ -81,7 +91,10 @@ class BudgetController:
         self.step_seconds = dict(self.measured_seconds)
         self._accepted.clear()
         self._predicted.clear()
+        self._steps_at.clear()
+        self._rates.clear()
         self._gain = None
+        self._drafts = 0
         self._first_verified = False
         self.chosen.clear()
         self.start_request()
@@ -92,11 +105,18 @@ class BudgetController:
         self._steps_since_draft = 0
 
     def calibration(self, size: int) -> float:
-        """c(size): realised over predicted accepted drafts (smoothed, and pulled towards 1 while both are small);
-        a size not yet tried borrows the largest calibration of the sizes that were, else 1."""
-        if size in self._predicted:
-            return (self._accepted[size] + PRIOR) / (self._predicted[size] + PRIOR)
-        return max((self.calibration(b) for b in self._predicted), default=1.0)
+        """c(size): realised over predicted accepted drafts at this size (smoothed, and pulled towards 1 while both
+        are small), shrunk towards the step-weighted mean of every tried size's by `SHRINK_STEPS` pseudo-steps, so
+        a few unlucky steps cannot rule a size out for good; a size not yet tried borrows the largest calibration
+        of the sizes that were, else 1."""
+        if not self._steps_at:
+            return 1.0
+        if size not in self._steps_at:
+            return max(self.calibration(b) for b in self._steps_at)
+        own = {b: (self._accepted[b] + PRIOR) / (self._predicted[b] + PRIOR) for b in self._steps_at}
+        pooled = sum(n * own[b] for b, n in self._steps_at.items()) / sum(self._steps_at.values())
+        n = self._steps_at[size]
+        return (n * own[size] + SHRINK_STEPS * pooled) / (n + SHRINK_STEPS)
 
     def tokens_per_second(self, estimate: Sequence[float]) -> dict[int, float]:
         """Expected tokens per second of each size, given the draft's estimates (in `sizes` order), while drafting
@@ -118,16 +138,19 @@ class BudgetController:
         else:
             was_speculating = self.speculating
             rates = self.tokens_per_second(estimate)
-            best = max((b for b in self.sizes if b), key=rates.__getitem__)
-            sample = rates[best] * self.step_seconds[0]
-            self._gain = sample if self._gain is None else self._gain + self.smoothing * (sample - self._gain)
+            self._drafts += 1
+            weight = max(self.smoothing, 1.0 / self._drafts)  # a mean until the EMA's horizon is reached
+            for b in self.sizes[1:]:
+                self._rates[b] = self._rates.get(b, rates[b]) + weight * (rates[b] - self._rates.get(b, rates[b]))
+            best = max(self.sizes[1:], key=self._rates.__getitem__)
+            self._gain = self._rates[best] * self.step_seconds[0]
             if not self._first_verified:  # nothing calibrated yet: verify this draft
                 size, self._first_verified = best, True
             elif self.speculating:
-                size = max(self.sizes, key=rates.__getitem__)
+                size = best if rates[best] >= rates[0] else 0
                 self._probe_interval = self.probe_every
             else:  # the draft is paid and no draft follows: speculate only if it clearly beats a decode step
-                size = best if sample > 1.0 + MARGIN else 0
+                size = best if rates[best] * self.step_seconds[0] > 1.0 + MARGIN else 0
                 if not was_speculating:
                     self._probe_interval = min(2 * self._probe_interval, MAX_PROBE_INTERVAL)
             self._steps_since_draft = 0
@@ -138,12 +161,10 @@ class BudgetController:
         """A step at `size` whose estimate was `predicted` accepted `accepted` drafts."""
         if size == 0:
             return
-        a = self.smoothing
-        if size not in self._predicted:
-            self._accepted[size], self._predicted[size] = float(accepted), float(predicted)
-        else:
-            self._accepted[size] += a * (accepted - self._accepted[size])
-            self._predicted[size] += a * (predicted - self._predicted[size])
+        n = self._steps_at[size] = min(self._steps_at.get(size, 0) + 1, round(1 / self.smoothing))
+        a = max(self.smoothing, 1.0 / n)  # a mean of the first steps, then the EMA
+        self._accepted[size] = self._accepted.get(size, 0.0) + a * (accepted - self._accepted.get(size, 0.0))
+        self._predicted[size] = self._predicted.get(size, 0.0) + a * (predicted - self._predicted.get(size, 0.0))
 
     def observe_seconds(self, size: int, seconds: float) -> None:
         """A step at `size` took `seconds` of wall time, the next step's draft included when it drafts (size 0:
