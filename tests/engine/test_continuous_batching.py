@@ -107,6 +107,11 @@ def test_prompts_fed_in_chunks_between_decode_steps_equal_their_solo_outputs(eng
 
 
 def test_sampled_requests_reproduce_their_solo_draws(engine: Engine) -> None:
+    assert_sampled_requests_reproduce_their_solo_draws(engine)
+
+
+def assert_sampled_requests_reproduce_their_solo_draws(engine: Engine) -> None:
+    """Four requests with their own temperatures, top-p / top-k and seeds (one greedy) joining a step apart."""
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(5, 160, (n,), generator=gen).tolist() for n in (4, 11, 7, 20)]
     requests = [(p, SamplingParams(temperature=t, top_p=p_, top_k=k, seed=s, max_new_tokens=12, ignore_eos=True))

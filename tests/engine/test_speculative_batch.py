@@ -9,7 +9,6 @@ mid-run, sampled requests with their own seeds), so rows sit at different length
 from __future__ import annotations
 
 import pytest
-import torch
 
 from dflash_tfm import Engine, SamplingParams, SpeculativeConfig
 from dflash_tfm.config import ModelConfig
@@ -17,7 +16,9 @@ from dflash_tfm.engine.speculative_batch import SpeculativeBatch
 from dflash_tfm.loading.loader import open_checkpoint
 from dflash_tfm.spec.fixtures import write_random_dflash_checkpoint
 from dflash_tfm.spec.weaver_fixtures import write_random_weaver_checkpoint
-from tests.engine.test_continuous_batching import MAX_LEN, SLOTS, mixed_requests, one_thread, run_batch, solo  # noqa: F401 (fixture)
+from tests.engine.test_continuous_batching import (MAX_LEN, SLOTS,  # noqa: F401 (one_thread: a fixture)
+                                                   assert_sampled_requests_reproduce_their_solo_draws, mixed_requests,
+                                                   one_thread, run_batch, solo)
 from tests.train.tiny_chat import save_tiny_chat_model
 
 BLOCK = 8
@@ -62,15 +63,7 @@ def test_requests_all_arriving_at_once_equal_their_solo_outputs(engine: Engine) 
 
 
 def test_sampled_requests_reproduce_their_solo_draws(engine: Engine) -> None:
-    gen = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(5, 160, (n,), generator=gen).tolist() for n in (4, 11, 7, 20)]
-    requests = [(p, SamplingParams(temperature=t, top_p=p_, top_k=k, seed=s, max_new_tokens=12, ignore_eos=True))
-                for p, (t, p_, k, s) in zip(prompts, [(1.0, 1.0, -1, 3), (0.8, 0.9, -1, 4), (1.3, 1.0, 20, 5),
-                                                      (0.0, 1.0, -1, None)])]
-    expected = {i: solo(engine, *r) for i, r in enumerate(requests)}
-    assert run_batch(engine, requests, arrive_every=1) == expected
-    other_seed = SamplingParams(temperature=1.0, seed=99, max_new_tokens=12, ignore_eos=True)
-    assert solo(engine, prompts[0], other_seed)[0] != expected[0][0]  # the seed matters: the check can fail
+    assert_sampled_requests_reproduce_their_solo_draws(engine)
 
 
 def test_a_step_verifies_every_row_in_one_forward_and_accepts_per_row(engine: Engine, monkeypatch) -> None:

@@ -18,61 +18,24 @@ smallest batch bucket that covers them.
 """
 from __future__ import annotations
 
-import collections
 import time
 
 import torch
 
 from dflash_tfm.engine.batch_runner import BatchRunner
+from dflash_tfm.engine.batch_slots import BatchSlots
 from dflash_tfm.engine.sequence import Sequence, StreamDelta
 from dflash_tfm.sampling import sample
 
 
-class ContinuousBatch:
+class ContinuousBatch(BatchSlots):
     def __init__(self, runner: BatchRunner, prefill_chunk: int = 2048) -> None:
         """`prefill_chunk`: the most prompt tokens one step feeds (a bound on activation memory as well as on
         how long a newcomer's prefill holds up the running requests; `ModelRunner` prefills in the same chunks)."""
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
-        self.runner, self.prefill_chunk = runner, prefill_chunk
-        self._slots: list[Sequence | None] = [None] * runner.slots
-        self._to_prefill: collections.deque[Sequence] = collections.deque()
-
-    @property
-    def running(self) -> int:
-        """Requests holding a slot (waiting for their prefill or decoding)."""
-        return sum(seq is not None for seq in self._slots)
-
-    @property
-    def free_slots(self) -> int:
-        return self.runner.slots - self.running
-
-    def add(self, seq: Sequence) -> None:
-        """Give `seq` the lowest free slot; its prompt is fed by the coming steps."""
-        if not self.free_slots:
-            raise RuntimeError(f"all {self.runner.slots} slots are running (max_running_requests); "
-                               "add a request only while free_slots > 0")
-        seq.slot = self._slots.index(None)
-        self._slots[seq.slot] = seq
-        self._to_prefill.append(seq)
-        self.runner.reset_row(seq.slot)  # before any step feeds it: a row in a step's bucket is stepped
-
-    def holds(self, seq: Sequence) -> bool:
-        """Whether `seq` still holds its slot (admitted, not finished, not aborted)."""
-        return 0 <= seq.slot < len(self._slots) and self._slots[seq.slot] is seq
-
-    def in_slot(self, slot: int) -> Sequence | None:
-        return self._slots[slot]
-
-    def abort(self, seq: Sequence) -> None:
-        """Stop `seq` now and free its slot (a no-op once it finished or left)."""
-        if self.holds(seq):
-            self._release(seq)
-
-    def _release(self, seq: Sequence) -> None:
-        self._slots[seq.slot] = None
-        if seq in self._to_prefill:
-            self._to_prefill.remove(seq)
+        super().__init__(runner)
+        self.prefill_chunk = prefill_chunk
 
     def _push(self, seq: Sequence, token: int) -> StreamDelta:
         delta = seq.push(token)

@@ -25,12 +25,12 @@ whole tree. The step runs eagerly (no CUDA graphs yet).
 """
 from __future__ import annotations
 
-import collections
 import time
 
 import torch
 
 from dflash_tfm.engine.batch_runner import BatchRunner, batch_bucket
+from dflash_tfm.engine.batch_slots import BatchSlots
 from dflash_tfm.engine.model_runner import key_length_bucket, prefill_in_chunks
 from dflash_tfm.engine.sequence import Sequence, StreamDelta
 from dflash_tfm.engine.speculative import Proposer
@@ -42,7 +42,7 @@ from dflash_tfm.tree import TreeSpec
 TREE_SLACK = 64  # cache positions past the context: the deepest tree a drafter block (<= 64) can propose
 
 
-class SpeculativeBatch:
+class SpeculativeBatch(BatchSlots):
     def __init__(self, runner: BatchRunner, drafter, proposer: Proposer, max_len: int,
                  prefill_chunk: int = 2048) -> None:
         """runner: the target's rows (`max_len` + `TREE_SLACK` positions each); drafter: its context caches with
@@ -53,15 +53,14 @@ class SpeculativeBatch:
         if runner.max_len < max_len + drafter.config.block_size or drafter.batch < runner.slots:
             raise ValueError(f"the batch needs {runner.slots} drafter rows and target rows of >= "
                              f"{max_len + drafter.config.block_size} positions (max_len + a tree)")
-        self.runner, self.drafter, self.proposer, self.max_len = runner, drafter, proposer, max_len
+        super().__init__(runner)
+        self.drafter, self.proposer, self.max_len = drafter, proposer, max_len
         self.prefill_chunk = prefill_chunk
         self.model = runner.model
         self.tap_layers = tuple(drafter.config.target_layer_ids)
         self.block = drafter.config.block_size
         self.max_depth = self.block - 1
         slots, device = runner.slots, runner.device
-        self._slots: list[Sequence | None] = [None] * slots
-        self._to_prefill: collections.deque[Sequence] = collections.deque()
         self._length = torch.zeros(slots, dtype=torch.long, device=device)
         self._root = torch.zeros(slots, dtype=torch.long, device=device)
         self._h_last = torch.zeros(slots, self.model.config.hidden_size, dtype=self.model.embed_tokens.dtype,
@@ -69,40 +68,9 @@ class SpeculativeBatch:
         self._uniforms = torch.zeros(slots, proposer.num_nodes, device=device)
         self._steps = torch.arange(self.block, device=device)
 
-    # ---- the ContinuousBatch interface ----------------------------------------------------------------
-    @property
-    def running(self) -> int:
-        return sum(seq is not None for seq in self._slots)
-
-    @property
-    def free_slots(self) -> int:
-        return self.runner.slots - self.running
-
-    def add(self, seq: Sequence) -> None:
-        """Give `seq` the lowest free slot; the next step prefills its prompt."""
-        if not self.free_slots:
-            raise RuntimeError(f"all {self.runner.slots} slots are running (max_running_requests); "
-                               "add a request only while free_slots > 0")
-        seq.slot = self._slots.index(None)
-        self._slots[seq.slot] = seq
-        self._to_prefill.append(seq)
-        self.runner.reset_row(seq.slot)
-
-    def holds(self, seq: Sequence) -> bool:
-        return 0 <= seq.slot < len(self._slots) and self._slots[seq.slot] is seq
-
-    def in_slot(self, slot: int) -> Sequence | None:
-        return self._slots[slot]
-
-    def abort(self, seq: Sequence) -> None:
-        if self.holds(seq):
-            self._release(seq)
-
     def _release(self, seq: Sequence) -> None:
-        self._slots[seq.slot] = None
+        super()._release(seq)
         self._length[seq.slot] = 0  # its throwaway trees stay at the start of the row
-        if seq in self._to_prefill:
-            self._to_prefill.remove(seq)
 
     # ---- the step --------------------------------------------------------------------------------------
     @torch.inference_mode()
