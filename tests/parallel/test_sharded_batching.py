@@ -1,10 +1,16 @@
 """Continuous batching with the target split over 2 gloo ranks: rank 0 admits, steps and aborts; the other rank
 follows (`Engine.follow`), applying the same admissions and aborts before each step. Every request's tokens
 equal the tp 1 engine's: greedy and seeded-sampled requests, one joining mid-run, one aborted mid-run, and a
-sampled request without a seed, which rank 0 seeds so that both ranks draw alike."""
+sampled request without a seed, which rank 0 seeds so that both ranks draw alike. Autoregressive and
+speculative (DDTREE at a fixed budget, a random drafter replicated on both ranks) batches."""
 from __future__ import annotations
 
-from dflash_tfm import Engine, SamplingParams
+import pytest
+
+from dflash_tfm import Engine, SamplingParams, SpeculativeConfig
+from dflash_tfm.config import ModelConfig
+from dflash_tfm.loading.loader import open_checkpoint
+from dflash_tfm.spec.fixtures import write_random_dflash_checkpoint
 
 from ..train.tiny_chat import save_tiny_chat_model
 from .ranks import run_ranks
@@ -37,8 +43,8 @@ def script(engine: Engine) -> dict[str, list[int]]:
     return tokens
 
 
-def batched(rank: int, tp: int, path: str) -> dict[str, list[int]] | None:
-    engine = Engine(path, device="cpu", dtype="float32", max_model_len=128, progress=False, tp_size=tp,
+def batched(rank: int, tp: int, path: str, spec: SpeculativeConfig | None) -> dict[str, list[int]] | None:
+    engine = Engine(path, spec, device="cpu", dtype="float32", max_model_len=128, progress=False, tp_size=tp,
                     max_running_requests=4)
     if rank:
         engine.follow()
@@ -49,13 +55,21 @@ def batched(rank: int, tp: int, path: str) -> dict[str, list[int]] | None:
         engine.release_followers()
 
 
-def test_tp2_batched_requests_equal_tp1(tmp_path) -> None:
-    path = str(save_tiny_chat_model(tmp_path))
-    single = script(Engine(path, device="cpu", dtype="float32", max_model_len=128, progress=False,
+@pytest.mark.parametrize("speculative", [False, True], ids=["autoregressive", "DDTREE"])
+def test_tp2_batched_requests_equal_tp1(tmp_path, speculative: bool) -> None:
+    path = save_tiny_chat_model(tmp_path)
+    spec = None
+    if speculative:
+        cfg = ModelConfig.from_dict(open_checkpoint(path)[1])
+        drafter = write_random_dflash_checkpoint(tmp_path / "dflash", cfg, num_layers=1, block_size=8,
+                                                 target_layer_ids=[0, cfg.num_layers - 1])
+        spec = SpeculativeConfig("DDTREE", drafter, tree_budget=12)
+    single = script(Engine(str(path), spec, device="cpu", dtype="float32", max_model_len=128, progress=False,
                            max_running_requests=4))
-    split = run_ranks(2, batched, path)
+    split = run_ranks(2, batched, str(path), spec)
     assert split[1] is None
     for name in "acd":
         assert split[0][name] == single[name] and single[name], name
-    assert len(split[0]["b"]) == 5 == len(single["b"])  # aborted after 5 steps; b's seed differs between runs
     assert len(single["a"]) == 12 and len(single["c"]) == 10
+    if not speculative:  # aborted after 5 steps (of one token each); b's seed differs between runs
+        assert len(split[0]["b"]) == 5 == len(single["b"])
