@@ -241,7 +241,7 @@ def test_triton_drafter_block_attention_paths_agree(devices: tuple, causal: bool
     positions = torch.arange(L, L + B, device=triton_device).view(1, B)
     k, v = k_cache[:, L : L + B], v_cache[:, L : L + B]  # the block's K/V, already written at L .. L+B-1
     window = 1000 if causal else None  # wider than every distance here: only the in-block causality remains
-    visible = dflash.attention_mask(positions[0], torch.arange(kv_len, device=triton_device), window, causal)
+    visible = dflash.attention_mask(positions, torch.arange(kv_len, device=triton_device).view(1, -1), window, causal)
     mask = dflash.additive_mask(visible.repeat(1, 1, Hq // Hkv, 1), q.dtype)
     keys, values = (t[0, : L + B].repeat_interleave(Hq // Hkv, dim=1) for t in (k_cache, v_cache))
     scores = torch.einsum("qhd,khd->qhk", q[0], keys).mul(D**-0.5)
