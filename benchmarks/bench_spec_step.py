@@ -79,7 +79,6 @@ def profile_phases(decoder: SpeculativeDecoder, params: SamplingParams, name: st
 
     def commit() -> None:
         decoder._commit(params, size)
-        decoder._stage_emitted()
         emitted.extend(decoder._take_emitted())
     draft_len = lambda: decoder.runner.bucket(decoder.length + decoder.max_depth)  # noqa: E731
     with skinny_projections():

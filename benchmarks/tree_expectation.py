@@ -55,7 +55,6 @@ def step_scoring(decoder: SpeculativeDecoder, params: SamplingParams, generator:
     finally:
         decoder.proposers[size] = own
     decoder._commit(params, size)
-    decoder._stage_emitted()
     return decoder._take_emitted(), expectations[-1:] + expectations[:-1]
 
 

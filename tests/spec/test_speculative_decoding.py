@@ -109,59 +109,15 @@ def test_tracked_expected_acceptance_is_exact_when_greedy_and_unbiased_when_samp
     assert expected > 5 and abs(realised - expected) < 4 * expected ** 0.5  # Poisson-like spread, 4 sigma
 
 
-@pytest.mark.parametrize("algo, budget", [("DFLASH", 16), ("DFLASH_TFM", 16), ("DDTREE", "auto")])
-def test_running_ahead_of_the_caller_reproduces_greedy(target, algo: str, budget) -> None:
-    """run_ahead (the CUDA default; off on the CPU): each step's draft is enqueued before the previous step's
-    read, for a key-length bound taken before it, and each step before the previous tokens are returned. The same
-    tokens, to the last cache slot: near the end it stops running ahead and decodes plainly."""
+@pytest.mark.parametrize("algo", ["DFLASH", "DFLASH_TFM"])
+def test_drafting_ahead_of_the_host_read_reproduces_greedy(target, algo: str) -> None:
+    """draft_ahead (the CUDA default; off on the CPU): each step's draft is enqueued by the step before, for a
+    key-length bound taken before the read. The same tokens, and near the cache end it stops drafting ahead."""
     cfg, model, root = target
-    decoder = build_decoder(runner_for(model), cfg, spec_config(algo, root, budget))
-    decoder.run_ahead = True
-    n = decoder.runner.max_len - len(PROMPT) - 1
+    decoder = build_decoder(runner_for(model), cfg, spec_config(algo, root, 16))
+    decoder.draft_ahead = True
+    n = decoder.runner.max_len - len(PROMPT) - 1  # to the last cache slot: the last steps are plain decode steps
     assert decode(decoder, n)[0] == greedy_reference(model, n)
-
-
-def test_a_step_run_ahead_of_a_finished_request_is_discarded(target) -> None:
-    """A request that stops leaves a step in flight; the next request starts from its own prompt regardless."""
-    cfg, model, root = target
-    decoder = build_decoder(runner_for(model), cfg, spec_config("DFLASH_TFM", root, 16))
-    decoder.run_ahead = True
-    decoder.prefill(PROMPT[::-1], GREEDY, None)
-    decoder.step(GREEDY, None)
-    assert decoder._in_flight is not None
-    assert decode(decoder)[0] == greedy_reference(model)
-
-
-@pytest.mark.parametrize("algo", ["DDTREE", "DFLASH_TFM"])
-def test_running_ahead_samples_the_same_tokens(target, algo: str) -> None:
-    """At T = 1 a run-ahead decoder draws the same uniforms in the same order: token for token the same output."""
-    cfg, model, root = target
-    params = SamplingParams(temperature=1.0)
-    outputs = []
-    for run_ahead in (False, True):
-        decoder = build_decoder(runner_for(model), cfg, spec_config(algo, root, 16))
-        decoder.run_ahead = run_ahead
-        generator = torch.Generator().manual_seed(5)
-        tokens = [decoder.prefill(PROMPT, params, generator)]
-        while len(tokens) < N_TOKENS:
-            tokens += decoder.step(params, generator)
-        outputs.append(tokens[:N_TOKENS])
-    assert outputs[0] == outputs[1]
-
-
-@pytest.mark.parametrize("params", [GREEDY, SamplingParams(temperature=1.0, seed=3)], ids=["greedy", "sampled"])
-def test_autoregressive_run_ahead_gives_the_same_tokens(target, params: SamplingParams) -> None:
-    """Plain decoding one step ahead of its caller: the same tokens, to the last cache slot."""
-    _, model, _ = target
-    outputs = []
-    for run_ahead in (False, True):
-        decoder = AutoregressiveDecoder(runner_for(model), run_ahead=run_ahead)
-        generator = torch.Generator().manual_seed(3)
-        tokens = [decoder.prefill(PROMPT, params, generator)]
-        while len(tokens) < decoder.runner.max_len - len(PROMPT):
-            tokens += decoder.step(params, generator)
-        outputs.append(tokens)
-    assert outputs[0] == outputs[1] and len(set(outputs[0])) > 1
 
 
 def test_published_tree_width_reproduces_greedy(target) -> None:
@@ -218,17 +174,17 @@ class OracleDrafter:
         return logits, torch.zeros(1, BLOCK - 1, self.hidden)
 
 
-@pytest.mark.parametrize("algo, budget, run_ahead", [("DFLASH", 0, False), ("DDTREE", 64, False),
+@pytest.mark.parametrize("algo, budget, draft_ahead", [("DFLASH", 0, False), ("DDTREE", 64, False),
                                                        ("DFLASH_TFM", 64, False), ("DFLASH", 0, True),
                                                        ("DFLASH_TFM", 64, True)])
-def test_oracle_drafter_accepts_whole_blocks(target, algo: str, budget: int, run_ahead: bool) -> None:
-    """(With run_ahead, a draft made before the commit it follows would miss: whole blocks show it was not.)"""
+def test_oracle_drafter_accepts_whole_blocks(target, algo: str, budget: int, draft_ahead: bool) -> None:
+    """(With draft_ahead, a draft made before the commit it follows would miss: whole blocks show it was not.)"""
     cfg, model, root = target
     reference = greedy_reference(model, N_TOKENS + 3 * BLOCK)
     runner = runner_for(model)
     drafter = OracleDrafter(reference, len(PROMPT), cfg.hidden_size)
     decoder = SpeculativeDecoder(runner, drafter, build_proposer(spec_config(algo, root, max(budget, 1)), runner, cfg, BLOCK),
-                                 run_ahead=run_ahead)
+                                 draft_ahead=draft_ahead)
     tokens, per_step = decode(decoder)
     assert tokens == reference[:N_TOKENS]
     assert per_step == [BLOCK] * len(per_step), per_step  # tau = block size = depth 15 + 1

@@ -52,15 +52,14 @@ def build_decoder(runner: ModelRunner, cfg: ModelConfig, spec: SpeculativeConfig
         return SpeculativeDecoder(runner, drafter, build_proposer(spec, runner, cfg, block), spec.gdn_verify_kernel)
     decoder = SpeculativeDecoder(runner, drafter, build_proposers(spec, runner, cfg, block), spec.gdn_verify_kernel)
     # Every measured step must be a real one (within a tree's depth of the cache end a step is a plain decode):
-    # room for the prompt, each step's block (the timed ones, one more that starts the timing, one run ahead)
-    # and the final probe's draft; a small cache measures fewer steps.
+    # room for the prompt, each step's block and the final probe's draft; a small cache measures fewer steps.
     warmup = 1
-    steps = min(2 if runner.device.type == "cpu" else 10, (runner.max_len - 1) // block - 4 - warmup)
+    steps = min(2 if runner.device.type == "cpu" else 10, (runner.max_len - 1) // block - 2 - warmup)
     if steps < 1:
         raise ValueError(f"tree_budget 'auto' measures each proposal size over a few steps of {block} tokens, which "
-                         f"needs max_model_len >= {6 * block + 1}; got {runner.max_len}: raise max_model_len or give "
+                         f"needs max_model_len >= {4 * block + 1}; got {runner.max_len}: raise max_model_len or give "
                          "a fixed tree budget")
-    prompt_tokens = min(CALIBRATION_PROMPT_TOKENS, runner.max_len - (warmup + steps + 3) * block)
+    prompt_tokens = min(CALIBRATION_PROMPT_TOKENS, runner.max_len - (warmup + steps + 2) * block)
     prompt = torch.randint(0, cfg.vocab_size, (prompt_tokens,), generator=torch.Generator().manual_seed(0))
     decoder.measure_step_times(prompt.tolist(), warmup=warmup, steps=steps)
     return decoder

@@ -8,14 +8,9 @@ and writes device tensors only: the committed length L, the root (bonus) token a
 at the last committed token live in static buffers, the drafter's context append always writes a full
 block of slots (the ones past the accepted path are scratch the next draft overwrites), and sampling reads
 uniforms drawn before the step. So on CUDA each phase is one graph replay (`PhaseGraphs`), and the step's
-only host synchronisation is reading the tokens it produced.
-
-On CUDA the decoder runs one step ahead of its caller (`run_ahead`): the next step's draft needs only device
-state the commit just wrote (and a key-length bound the host knows before the read), so it is enqueued before
-the read; once the tokens are read, the whole next step is enqueued before they are handed back. The GPU then
-works on step t + 1 while the caller detokenises, checks stops and streams step t's tokens; on a small target
-that host work is a large share of a step. A request that stops leaves one step decoded for nothing, which the
-next `prefill` discards (its work is ordered after it on the stream).
+only host synchronisation is reading the tokens it produced. That read overlaps the next step's draft: the draft
+needs only device state the commit just wrote (and a key-length bound the host knows before the read), so it is
+enqueued first and the GPU does not idle while the host reads tokens and returns to the next step.
 
 With an adaptive budget the decoder holds one proposer per candidate size, and each step's size is chosen by a
 `BudgetController` from the draft's own estimate of accepted drafts per size, computed inside the draft's graph
@@ -27,7 +22,6 @@ request that never drafts costs the drafter nothing.
 """
 from __future__ import annotations
 
-import statistics
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -51,17 +45,6 @@ TreeBuilder = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
 
 
 @dataclass(frozen=True)
-class _InFlight:
-    """A step enqueued and not yet read: its size, when it was launched (perf_counter), the drafts made before
-    it and the accepted drafts its size's estimate predicted."""
-
-    size: int
-    start: float
-    drafts: int
-    predicted: float
-
-
-@dataclass(frozen=True)
 class Proposer:
     """build(root [1] long, draft_logits [K, V] fp32, draft_hidden [K, H], h_target [H]) -> tokens, parents,
     depths, each [num_nodes] (static, so the step's shapes never change). kind: "chain" or "tree", which of the
@@ -78,12 +61,11 @@ class SpeculativeDecoder:
     the last committed token, the drafter's context cache) and the CUDA graphs of the step's phases."""
 
     def __init__(self, runner: ModelRunner, drafter, proposer: Proposer | dict[int, Proposer],
-                 gdn_kernel: str = "chunk", run_ahead: bool | None = None) -> None:
+                 gdn_kernel: str = "chunk", draft_ahead: bool | None = None) -> None:
         """proposer: one proposer, or one per candidate size > 0 (drafts below the root) for an adaptive budget,
-        whose sizes also include 0 (a plain decode step) and which `measure_step_times` then sets up. run_ahead:
-        enqueue each step's draft before the previous step's read and the step itself before its caller gets the
-        previous tokens (default: on CUDA, where it keeps the GPU busy while the host works; on the CPU every op
-        is synchronous, so it would only delay the tokens)."""
+        whose sizes also include 0 (a plain decode step) and which `measure_step_times` then sets up. draft_ahead:
+        enqueue each step's draft at the end of the previous step, before its host read (default: on CUDA, where
+        it keeps the GPU busy across the read; on the CPU every op is synchronous anyway)."""
         adaptive = isinstance(proposer, dict)
         self.proposers = proposer if adaptive else {proposer.num_nodes - 1: proposer}
         self.runner, self.drafter = runner, drafter
@@ -111,9 +93,8 @@ class SpeculativeDecoder:
         self._uniforms = torch.zeros(max(p.num_nodes for p in self.proposers.values()), device=device)
         self._emitted = torch.full((self.block,), -1, dtype=torch.long, device=device)
         self._steps = torch.arange(self.block, device=device)
-        self.run_ahead = runner.device.type == "cuda" if run_ahead is None else run_ahead
+        self.draft_ahead = runner.device.type == "cuda" if draft_ahead is None else draft_ahead
         self._drafted = False  # the draft outputs already hold the draft of the current state
-        self._in_flight: _InFlight | None = None  # the step enqueued ahead, its tokens not yet read
         cuda = device.type == "cuda"
         self._emitted_host = torch.empty(self.block, dtype=torch.long, pin_memory=cuda)
         self._emitted_copied = torch.cuda.Event() if cuda else None
@@ -143,7 +124,6 @@ class SpeculativeDecoder:
     @torch.inference_mode()
     def prefill(self, prompt_ids: list[int], params: SamplingParams, generator: torch.Generator | None) -> int:
         """Target prefill that also feeds the drafter its context features; returns the first token."""
-        self._in_flight = None  # a step run ahead of the last request: its work is ordered before the reset
         self.runner.reset()
         self.drafter.reset()
         if self.budget is not None:
@@ -165,54 +145,33 @@ class SpeculativeDecoder:
     @torch.inference_mode()
     def step(self, params: SamplingParams, generator: torch.Generator | None) -> list[int]:
         """One draft -> tree -> verify -> commit round; returns the accepted draft tokens and the bonus token.
-        Within one tree depth of the cache end, or when an adaptive budget chooses size 0, a plain decode step.
-        With `run_ahead` the returned tokens are those of the step enqueued by the previous call, and the next
-        step is enqueued before they are returned."""
-        if self._in_flight is None:
-            if self.length + self.max_depth + 1 > self.runner.max_len:
-                return self._last_steps(params, generator)
-            self._launch(params, generator)
-        emitted = self._finish()
-        if self.run_ahead and self.length + self.max_depth + 1 <= self.runner.max_len:
-            self._launch(params, generator)
-        return emitted
-
-    def _last_steps(self, params: SamplingParams, generator: torch.Generator | None) -> list[int]:
-        """A plain decode step with the host read at once: no tree fits before the end of the cache."""
-        self.last_step_drafts = 0
-        logits = self.runner.decode(self._root, self.length)
-        self._root.copy_(sample(logits, params, generator).view(1))
-        self.length += 1
-        return [int(self._root.item())]
-
-    def _launch(self, params: SamplingParams, generator: torch.Generator | None) -> None:
-        """Choose this step's size and enqueue the step (and the next step's draft); `_finish` reads its tokens."""
+        Within one tree depth of the cache end, or when an adaptive budget chooses size 0, a plain decode step."""
+        L = self.length
+        if L + self.max_depth + 1 > self.runner.max_len:
+            self.last_step_drafts = 0
+            logits = self.runner.decode(self._root, L)
+            self._root.copy_(sample(logits, params, generator).view(1))
+            self.length = L + 1
+            return [int(self._root.item())]
         start, drafts = time.perf_counter(), self._drafts_made
         with skinny_projections():  # fixed row counts: projections may take their tuned kernels
-            size = self._choose_size(self.length)
+            size = self._choose_size(L)
+            self.last_step_drafts = size
             if size == 0:
-                self._decode_step(self.length, params, generator)
+                emitted = self._decode_step(L, params, generator)
             else:
-                self._tree_step(self.length, size, params, generator)
-        self._in_flight = _InFlight(size, start, drafts, self._predicted)
-
-    def _finish(self) -> list[int]:
-        """The tokens of the step in flight (the one host read per step); the adaptive budget learns from it."""
-        step, self._in_flight = self._in_flight, None
-        emitted = self._take_emitted()
-        self.last_step_drafts = step.size
+                emitted = self._tree_step(L, size, params, generator)
         if self.budget is not None and self._forced_size is None:
-            self.budget.observe(step.size, step.predicted, len(emitted) - 1)
+            self.budget.observe(size, self._predicted, len(emitted) - 1)
             if tp_size() == 1:  # tensor-parallel ranks keep rank 0's start-up times: their choices must agree
                 # T(size) counts the next step's draft for a tree step and no draft for a decode step: correct
                 # the wall time by the drafts this step made beyond that
-                extra = self._drafts_made - step.drafts - (1 if step.size else 0)
-                self.budget.observe_seconds(step.size, time.perf_counter() - step.start
-                                            - extra * self.budget.draft_seconds)
+                extra = self._drafts_made - drafts - (1 if size else 0)
+                self.budget.observe_seconds(size, time.perf_counter() - start - extra * self.budget.draft_seconds)
         return emitted
 
-    def _tree_step(self, L: int, size: int, params: SamplingParams, generator: torch.Generator | None) -> None:
-        """Tree (of the size's proposer) -> verify -> commit on the current draft, then the next step's draft."""
+    def _tree_step(self, L: int, size: int, params: SamplingParams, generator: torch.Generator | None) -> list[int]:
+        """Tree (of the size's proposer) -> verify -> commit on the current draft."""
         if not params.greedy:
             self._uniforms.uniform_(generator=generator)
         sampling = "greedy" if params.greedy else (params.temperature, params.top_k, params.top_p)
@@ -225,9 +184,14 @@ class SpeculativeDecoder:
             self.graphs.run(("commit", sampling, size, self.track_expected), lambda: self._commit(params, size),
                             advances_state=True)
             self._stage_emitted()
-        self._draft_next(L + self.block)
+        # The next step's draft, for a committed length of at most L + block: enqueued before the read.
+        self._drafted = (self.draft_ahead and L + self.block + self.max_depth + 1 <= self.runner.max_len
+                         and self._next_step_drafts())
+        if self._drafted:
+            self._timed_draft(L + self.block)
+        return self._take_emitted(staged=True)  # the one host read per step: which tokens were produced
 
-    def _decode_step(self, L: int, params: SamplingParams, generator: torch.Generator | None) -> None:
+    def _decode_step(self, L: int, params: SamplingParams, generator: torch.Generator | None) -> list[int]:
         """Size 0: the runner's decode step at L, whose tap-layer outputs extend the drafter's context."""
         with self.timer.phase("verify"):
             logits, hidden, taps = self.runner.decode_with_taps(self._root, L, self.tap_layers)
@@ -237,17 +201,12 @@ class SpeculativeDecoder:
             self._h_last.copy_(hidden)
             self._root.copy_(token)
             self._length.add_(1)
-            self._emitted.copy_(torch.where(self._steps == 0, token, -1))
-            self._stage_emitted()
-        self._draft_next(L + 1)
-
-    def _draft_next(self, max_length: int) -> None:
-        """With `run_ahead`, the next step's draft for a committed length of at most `max_length`, enqueued before
-        the host reads this step's tokens (when the next step will draft and a tree still fits after it)."""
-        self._drafted = (self.run_ahead and max_length + self.max_depth + 1 <= self.runner.max_len
+        self.length = L + 1
+        self._drafted = (self.draft_ahead and L + 1 + self.max_depth + 1 <= self.runner.max_len
                          and self._next_step_drafts())
         if self._drafted:
-            self._timed_draft(max_length)
+            self._timed_draft(L + 1)
+        return [int(token.item())]
 
     def _next_step_drafts(self) -> bool:
         if self._forced_size is not None:
@@ -298,21 +257,24 @@ class SpeculativeDecoder:
 
     def _run_at_size(self, size: int, prompt_ids: list[int], params: SamplingParams, warmup: int, steps: int,
                      generator: torch.Generator | None = None) -> float:
-        """Seconds per step forced to `size` on a fresh request, as a caller sees them: the median interval between
-        `steps` + 1 consecutive `step` returns after `warmup` steps (with `run_ahead` each return waits for one
-        step while the next is queued: the interval is the steady-state step time); 0.0 when steps is 0."""
+        """The fastest of `steps` steps forced to `size` (seconds) after `warmup` steps, on a fresh request: the
+        minimum, since other work on the machine only ever adds time."""
+        cuda = self.runner.device.type == "cuda"
         self._forced_size = size
         try:
             self.prefill(prompt_ids, params, generator)
             for _ in range(warmup):
                 self.step(params, generator)
-            returns = []
-            for _ in range(steps + 1 if steps else 0):
+            fastest = float("inf")
+            for _ in range(steps):
+                if cuda:
+                    torch.cuda.synchronize()
+                start = time.perf_counter()
                 self.step(params, generator)
-                returns.append(time.perf_counter())
-            if self._in_flight is not None:
-                self._finish()
-            return statistics.median(b - a for a, b in zip(returns, returns[1:])) if steps else 0.0
+                if cuda:
+                    torch.cuda.synchronize()
+                fastest = min(fastest, time.perf_counter() - start)
+            return fastest
         finally:
             self._forced_size = None
             self.timer.collect()
@@ -360,9 +322,11 @@ class SpeculativeDecoder:
         if self._emitted_copied is not None:
             self._emitted_copied.record()
 
-    def _take_emitted(self) -> list[int]:
-        """The tokens the last step produced (waits for their copy only, not for work enqueued after it) and the
-        committed length advanced."""
+    def _take_emitted(self, staged: bool = False) -> list[int]:
+        """The tokens the last commit produced (waits for their copy only, not for work enqueued after it; the
+        copy is started here unless `_stage_emitted` already did) and the committed length advanced."""
+        if not staged:
+            self._stage_emitted()
         if self._emitted_copied is not None:
             self._emitted_copied.synchronize()
         emitted = self._emitted_host.tolist()
