@@ -93,3 +93,11 @@ def test_auto_budget_is_refused_for_batches() -> None:
     with pytest.raises(ValueError, match="fixed proposal size"):
         Engine(speculative=SpeculativeConfig("DDTREE"), device="cpu", dtype="float32", max_model_len=64,
                max_running_requests=4, progress=False)
+
+
+def test_a_batch_without_room_for_a_tree_is_refused(engine: Engine) -> None:
+    batch = engine.batch
+    with pytest.raises(ValueError, match="max_len \\+ a tree"):
+        SpeculativeBatch(batch.runner, batch.drafter, batch.proposer, max_len=batch.runner.max_len)
+    with pytest.raises(ValueError, match="prefill_chunk"):
+        SpeculativeBatch(batch.runner, batch.drafter, batch.proposer, max_len=MAX_LEN, prefill_chunk=0)

@@ -54,7 +54,7 @@ class SpeculativeBatch(BatchSlots):
             raise ValueError(f"the batch needs {runner.slots} drafter rows and target rows of >= "
                              f"{max_len + drafter.config.block_size} positions (max_len + a tree)")
         super().__init__(runner)
-        self.drafter, self.proposer, self.max_len = drafter, proposer, max_len
+        self.drafter, self.proposer = drafter, proposer
         self.prefill_chunk = prefill_chunk
         self.model = runner.model
         self.tap_layers = tuple(drafter.config.target_layer_ids)
