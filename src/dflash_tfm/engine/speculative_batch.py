@@ -112,7 +112,7 @@ class SpeculativeBatch(BatchSlots):
         last = prefill_in_chunks(
             self.model, torch.tensor(prompt, dtype=torch.long, device=self.runner.device), self.runner.cache.row(slot),
             0, self.prefill_chunk, self.tap_layers,
-            lambda taps, start: self.drafter.append_context(torch.cat(taps, dim=-1), start, first_row=slot))
+            lambda taps, first: self.drafter.append_context(torch.cat(taps, dim=-1), first, first_row=slot))
         token = sample(self.model.logits(last).view(1, -1), seq.params, seq.generator).view(1)
         self._root[slot] = token[0]
         self._h_last[slot] = last
