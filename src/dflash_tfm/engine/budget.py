@@ -104,24 +104,28 @@ class BudgetController:
         self._probe_interval = self.probe_every
         self._steps_since_draft = 0
 
-    def calibration(self, size: int) -> float:
-        """c(size): realised over predicted accepted drafts at this size (smoothed, and pulled towards 1 while both
-        are small), shrunk towards the step-weighted mean of every tried size's by `SHRINK_STEPS` pseudo-steps, so
-        a few unlucky steps cannot rule a size out for good; a size not yet tried borrows the largest calibration
-        of the sizes that were, else 1."""
+    def calibrations(self) -> dict[int, float]:
+        """c(b) of every size: realised over predicted accepted drafts at that size (smoothed, and pulled towards
+        1 while both are small), shrunk towards the step-weighted mean of every tried size's by `SHRINK_STEPS`
+        pseudo-steps, so a few unlucky steps cannot rule a size out for good; a size not yet tried borrows the
+        largest calibration of the sizes that were, else 1."""
         if not self._steps_at:
-            return 1.0
-        if size not in self._steps_at:
-            return max(self.calibration(b) for b in self._steps_at)
+            return dict.fromkeys(self.sizes, 1.0)
         own = {b: (self._accepted[b] + PRIOR) / (self._predicted[b] + PRIOR) for b in self._steps_at}
         pooled = sum(n * own[b] for b, n in self._steps_at.items()) / sum(self._steps_at.values())
-        n = self._steps_at[size]
-        return (n * own[size] + SHRINK_STEPS * pooled) / (n + SHRINK_STEPS)
+        tried = {b: (n * own[b] + SHRINK_STEPS * pooled) / (n + SHRINK_STEPS) for b, n in self._steps_at.items()}
+        borrowed = max(tried.values())
+        return {b: tried.get(b, borrowed) for b in self.sizes}
+
+    def calibration(self, size: int) -> float:
+        """c(size) (see `calibrations`)."""
+        return self.calibrations()[size]
 
     def tokens_per_second(self, estimate: Sequence[float]) -> dict[int, float]:
         """Expected tokens per second of each size, given the draft's estimates (in `sizes` order), while drafting
         goes on: size 0 is a decode step followed by the next step's draft."""
-        rates = {b: (1.0 + self.calibration(b) * e) / self.step_seconds[b] for b, e in zip(self.sizes, estimate)}
+        c = self.calibrations()
+        rates = {b: (1.0 + c[b] * e) / self.step_seconds[b] for b, e in zip(self.sizes, estimate)}
         rates[0] = 1.0 / (self.step_seconds[0] + self.draft_seconds)
         return rates
 
