@@ -79,9 +79,7 @@ class ContinuousBatch(BatchSlots):
                 if seq.length == len(seq.prompt_ids):
                     out.append((seq, self._first_token(seq, logits[slot : slot + 1])))
                 continue
-            stats = seq.stats
-            stats.verify_steps += 1
-            stats.draft_sizes[0] = stats.draft_sizes.get(0, 0) + 1  # a plain decode step: no drafts
+            seq.stats.count_step(drafts=0, produced=1)  # a plain decode step
             token = greedy[slot] if seq.params.greedy else int(sample(logits[slot : slot + 1], seq.params,
                                                                       seq.generator).item())
             out.append((seq, self._push(seq, token)))

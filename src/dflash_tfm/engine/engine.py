@@ -291,14 +291,10 @@ class Engine:
                 if seq.finished:
                     return
             pending = self.decoder.step(seq.params, seq.generator)
-            stats.verify_steps += 1
-            size = self.decoder.last_step_drafts
-            stats.draft_tokens += size
-            stats.draft_sizes[size] = stats.draft_sizes.get(size, 0) + 1
-            stats.accepted_draft_tokens += len(pending) - 1
+            stats.count_step(self.decoder.last_step_drafts, len(pending))
 
     # ---- continuous batching (max_running_requests > 1) ----------------------------------------------
-    def _running_batch(self) -> ContinuousBatch:
+    def _running_batch(self) -> ContinuousBatch | SpeculativeBatch:
         if self.batch is None:
             raise RuntimeError("continuous batching needs an Engine built with max_running_requests > 1; this one "
                                "decodes one request at a time (use stream)")

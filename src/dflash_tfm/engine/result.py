@@ -32,6 +32,14 @@ class GenerationStats:
     commit_seconds: float = 0.0
     expected_accepted_draft_tokens: float | None = None
 
+    def count_step(self, drafts: int, produced: int) -> None:
+        """One decode step that verified `drafts` proposed tokens (0: a plain decode step) and produced
+        `produced` tokens (the accepted drafts and the target's own)."""
+        self.verify_steps += 1
+        self.draft_tokens += drafts
+        self.draft_sizes[drafts] = self.draft_sizes.get(drafts, 0) + 1
+        self.accepted_draft_tokens += produced - 1
+
     @property
     def accept_length(self) -> float:
         return self.completion_tokens / self.verify_steps if self.verify_steps else 0.0

@@ -92,7 +92,6 @@ class SpeculativeDecoder:
         self._h_last = torch.zeros(self.model.config.hidden_size, dtype=runner.dtype, device=device)
         self._uniforms = torch.zeros(max(p.num_nodes for p in self.proposers.values()), device=device)
         self._emitted = torch.full((self.block,), -1, dtype=torch.long, device=device)
-        self._steps = torch.arange(self.block, device=device)
         self.draft_ahead = runner.device.type == "cuda" if draft_ahead is None else draft_ahead
         self._drafted = False  # the draft outputs already hold the draft of the current state
         cuda = device.type == "cuda"
@@ -370,12 +369,8 @@ class SpeculativeDecoder:
         if self.track_expected:
             self._expected_total.add_(expected_accepted(logits, tokens, parents, tree.ancestor_mask()[0], params))
         self.model.commit(self.runner.cache, self._length, tree, saved, acc.accepted.view(1, -1), acc.path.view(1, -1))
-        on_path = torch.where(acc.path >= 0, acc.path, acc.last)  # padding repeats the last node: scratch slots
-        self.drafter.append_context(torch.cat(taps, dim=-1)[:, on_path], self._length)  # one gather for all taps
-        count = (acc.path >= 0).sum()
-        after = torch.cat([acc.path[1:], acc.path[:1].new_full((1,), -1)])  # the node after each path node
-        emitted = torch.where(after >= 0, tokens[after.clamp(min=0)], -1)
-        self._emitted.copy_(torch.where(self._steps == count - 1, acc.bonus, emitted))
+        self.drafter.append_context(torch.cat(taps, dim=-1)[:, acc.path_or_last()], self._length)  # one gather
+        self._emitted.copy_(acc.emitted(tokens))
         self._h_last.copy_(hidden.index_select(0, acc.last.view(1))[0])
         self._root.copy_(acc.bonus.view(1))
-        self._length.add_(count)
+        self._length.add_((acc.path >= 0).sum())

@@ -58,15 +58,13 @@ class SpeculativeBatch(BatchSlots):
         self.prefill_chunk = prefill_chunk
         self.model = runner.model
         self.tap_layers = tuple(drafter.config.target_layer_ids)
-        self.block = drafter.config.block_size
-        self.max_depth = self.block - 1
+        self.max_depth = drafter.config.block_size - 1
         slots, device = runner.slots, runner.device
         self._length = torch.zeros(slots, dtype=torch.long, device=device)
         self._root = torch.zeros(slots, dtype=torch.long, device=device)
         self._h_last = torch.zeros(slots, self.model.config.hidden_size, dtype=self.model.embed_tokens.dtype,
                                    device=device)
         self._uniforms = torch.zeros(slots, proposer.num_nodes, device=device)
-        self._steps = torch.arange(self.block, device=device)
 
     def _release(self, seq: Sequence) -> None:
         super()._release(seq)
@@ -92,12 +90,7 @@ class SpeculativeBatch(BatchSlots):
             emitted = self._speculate(bucket, rows)
         for slot, seq in rows.items():
             tokens = emitted[slot]
-            stats = seq.stats
-            stats.verify_steps += 1
-            size = self.proposer.num_nodes - 1
-            stats.draft_tokens += size
-            stats.draft_sizes[size] = stats.draft_sizes.get(size, 0) + 1
-            stats.accepted_draft_tokens += len(tokens) - 1
+            seq.stats.count_step(self.proposer.num_nodes - 1, len(tokens))
             for token in tokens:
                 out.append((seq, seq.push(token)))
                 if seq.finished:
@@ -143,18 +136,14 @@ class SpeculativeBatch(BatchSlots):
                 self._uniforms[r].uniform_(generator=seq.generator)
                 draws[r] = target_draws(target_logits[r], seq.params, self._uniforms[r])
         acc = accept_tree(tokens, parents, depths, tree.ancestor_mask(), draws, self.max_depth)
-        accepted, path, last, bonus = acc.accepted, acc.path, acc.last, acc.bonus
-        self.model.commit(cache, lengths, tree, saved, accepted, path)
-        on_path = torch.where(path >= 0, path, last[:, None])  # padding repeats the last node: scratch slots
+        self.model.commit(cache, lengths, tree, saved, acc.accepted, acc.path)
         feats = torch.cat(taps, dim=-1)
-        self.drafter.append_context(feats.gather(1, on_path[:, :, None].expand(-1, -1, feats.shape[-1])), lengths)
-        count = (path >= 0).sum(-1)
-        after = torch.cat([path[:, 1:], path.new_full((bucket, 1), -1)], dim=1)  # the node after each path node
-        produced = torch.where(after >= 0, tokens.gather(1, after.clamp(min=0)), -1)
-        produced = torch.where(self._steps[None, :] == (count - 1)[:, None], bonus[:, None], produced)
-        self._h_last[:bucket] = out[torch.arange(bucket, device=out.device), last]
-        self._root[:bucket] = bonus
-        self._length[:bucket] += count
+        on_path = acc.path_or_last()[:, :, None].expand(-1, -1, feats.shape[-1])
+        self.drafter.append_context(feats.gather(1, on_path), lengths)
+        produced = acc.emitted(tokens)
+        self._h_last[:bucket] = out[torch.arange(bucket, device=out.device), acc.last]
+        self._root[:bucket] = acc.bonus
+        self._length[:bucket] += (acc.path >= 0).sum(-1)
         produced_host = produced.tolist()  # the one host read of the step
         emitted = {}
         for slot, seq in rows.items():

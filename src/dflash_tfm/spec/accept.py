@@ -27,6 +27,20 @@ class Acceptance:
     last: torch.Tensor
     bonus: torch.Tensor
 
+    def path_or_last(self) -> torch.Tensor:
+        """`path` with its padding replaced by the last accepted node: a node for every slot, so gathering the
+        path's features fills the slots past it with scratch that the next commit overwrites."""
+        return torch.where(self.path >= 0, self.path, self.last.unsqueeze(-1))
+
+    def emitted(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The tokens the step produces, per tree: the accepted drafts (path below the root) then the bonus,
+        -1 padded; [..., max_depth + 1] like `path`, from the trees' tokens [..., N]."""
+        after = torch.cat([self.path[..., 1:], torch.full_like(self.path[..., :1], -1)], dim=-1)  # next path node
+        drafts = torch.where(after >= 0, tokens.gather(-1, after.clamp(min=0)), -1)
+        last_slot = (self.path >= 0).sum(-1, keepdim=True) - 1
+        slots = torch.arange(self.path.shape[-1], device=self.path.device)
+        return torch.where(slots == last_slot, self.bonus.unsqueeze(-1), drafts)
+
 
 def target_draws(logits: torch.Tensor, params: SamplingParams, uniforms: torch.Tensor) -> torch.Tensor:
     """One target token per node: logits [N, V] fp32 -> [N]: the argmax if greedy, else an exact sample of p_n
