@@ -1,14 +1,16 @@
-"""Autoregressive decode step of a Qwen3.6-27B-shaped target with random BF16 weights (GPU script); with
-`--quantization fp8` its projections are held in FP8 (benchmarks/fp8_targets.py) and the floor counts FP8 bytes.
+"""Autoregressive decode step of a random-weight target (GPU script): Qwen3.6-27B-shaped BF16 by default, or
+Qwen3.5-35B-A3B-shaped (`--target qwen3.5-35b-a3b`); with `--quantization fp8` its projections are held in FP8
+(benchmarks/fp8_targets.py) and the floor counts FP8 bytes.
 
 Measures, with CUDA events after warm-up (median of many steps):
   * the device-to-device copy bandwidth (bytes read + written), hence the bandwidth floor of one decode step
-    = weight bytes / copy bandwidth;
+    = the weight bytes one token reads / copy bandwidth (`fp8_targets.bytes_per_token`: every weight but the
+    embedding table's other rows and, on a MoE target, the experts the token is not routed to);
   * our CUDA-graph decode step at contexts 1k and 4k (graph replay only), and the full per-token loop the
     engine runs (replay + greedy argmax + reading the token on the host);
   * optionally (--hf) the same config through `transformers` (1-token forward with its cache).
 
-    python benchmarks/bench_ar_decode.py --out $OUT/ar_decode.json
+    python -m benchmarks.bench_ar_decode [--target qwen3.5-35b-a3b] [--quantization fp8] --out $OUT/ar_decode.json
 """
 from __future__ import annotations
 
@@ -18,13 +20,12 @@ import time
 
 import torch
 
-from benchmarks.fp8_targets import random_target
+from benchmarks.fp8_targets import TARGETS, bytes_per_token, random_target
 from benchmarks.timing import report_choices, time_ms
 from dflash_tfm.config import ModelConfig
 from dflash_tfm.engine.model_runner import ModelRunner
 from dflash_tfm.layers.fp8_weight import Fp8Weight
 from dflash_tfm.layers.linear import linear
-from dflash_tfm.models.presets import QWEN3_6_27B
 
 
 def copy_bandwidth(gib: float = 4.0, iters: int = 20) -> float:
@@ -43,7 +44,7 @@ def gemv_only_ms(model, iters: int) -> float:
     the part of the step that is pure weight streaming through cuBLAS."""
     weights = [p for n, p in model.named_parameters() if p.dim() == 2 and not n.endswith("conv_weight")
                and not (n == "embed_tokens" and model.lm_head is not None)]
-    weights += [m for m in model.modules() if isinstance(m, Fp8Weight)]  # --quantization fp8: the FP8 kernel
+    weights += [m for m in model.modules() if isinstance(m, Fp8Weight) and m.weight.dim() == 2]  # FP8 kernel
     inputs = [torch.randn(1, w.shape[1], dtype=model.embed_tokens.dtype, device=model.embed_tokens.device)
               for w in weights]
     graph = torch.cuda.CUDAGraph()
@@ -59,15 +60,14 @@ def gemv_only_ms(model, iters: int) -> float:
 
 def bench_ours(cfg: ModelConfig, contexts: list[int], iters: int, quantization: str | None) -> tuple[dict, int]:
     model = random_target(cfg, torch.device("cuda"), torch.bfloat16, max(contexts) + 1024, quantization)
-    weight_bytes = sum(t.numel() * t.element_size() for t in model.parameters()) + sum(
-        t.numel() * t.element_size() for m in model.modules() if isinstance(m, Fp8Weight) for t in m.buffers())
+    weight_bytes = bytes_per_token(model)
     gemv_ms = gemv_only_ms(model, iters)
-    print(f"GEMV-only step: {gemv_ms:.2f} ms ({weight_bytes / gemv_ms / 1e9:.2f} TB/s of weights)", flush=True)
+    print(f"GEMV-only step (2-D projections): {gemv_ms:.2f} ms", flush=True)
     default_blas = torch.backends.cuda.preferred_blas_library()
     torch.backends.cuda.preferred_blas_library("cublaslt")  # does cuBLASLt stream the weights faster?
     lt_ms = gemv_only_ms(model, iters)
     torch.backends.cuda.preferred_blas_library(default_blas)
-    print(f"GEMV-only step through cuBLASLt: {lt_ms:.2f} ms ({weight_bytes / lt_ms / 1e9:.2f} TB/s)", flush=True)
+    print(f"GEMV-only step through cuBLASLt: {lt_ms:.2f} ms", flush=True)
     runner = ModelRunner(model, max_len=max(contexts) + 512, device=torch.device("cuda"))
     results: dict = {"gemv_only_ms": gemv_ms, "gemv_only_cublaslt_ms": lt_ms}
     for ctx in contexts:
@@ -131,24 +131,30 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=100)
     ap.add_argument("--hf", action="store_true", help="also time transformers' implementation (slow)")
     ap.add_argument("--quantization", default=None, choices=["fp8"], help="hold the projections in FP8")
+    ap.add_argument("--target", default="qwen3.6-27b", choices=sorted(TARGETS), help="the shapes of the target")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    cfg = ModelConfig.from_dict(QWEN3_6_27B)
+    if args.hf and args.target != "qwen3.6-27b":
+        ap.error("--hf times the dense 27B target only")
+    raw = TARGETS[args.target][0]
+    cfg = ModelConfig.from_dict(raw)
     bw = copy_bandwidth()
     ours, weight_bytes = bench_ours(cfg, args.contexts, args.iters, args.quantization)
     floor_ms = weight_bytes / bw * 1e3
     report = {
         "gpu": torch.cuda.get_device_name(),
+        "target": args.target,
         "quantization": args.quantization,
         "copy_bandwidth_TBps": bw / 1e12,
-        "weight_GB": weight_bytes / 1e9,
+        "bytes_per_token_GB": weight_bytes / 1e9,
         "floor_ms": floor_ms,
         "floor_tok_s": 1e3 / floor_ms,
         "ours": ours,
     }
     if args.hf:
-        report["transformers"] = bench_transformers(QWEN3_6_27B, args.contexts[0], max(5, args.iters // 10))
-    print(f"\ncopy bandwidth {bw / 1e12:.2f} TB/s; weights {weight_bytes / 1e9:.1f} GB; floor {floor_ms:.2f} ms "
+        report["transformers"] = bench_transformers(raw, args.contexts[0], max(5, args.iters // 10))
+    print(f"\n{args.target}: copy bandwidth {bw / 1e12:.2f} TB/s; a token reads {weight_bytes / 1e9:.2f} GB of "
+          f"weights; floor {floor_ms:.2f} ms "
           f"= {1e3 / floor_ms:.1f} tok/s")
     print("| context | graph step ms | tok/s | % of floor | engine loop ms | tok/s |")
     print("|---|---|---|---|---|---|")

@@ -6,11 +6,17 @@ and the prefill path (dequantise to BF16, then cuBLAS), each as a median of CUDA
 (`benchmarks/timing.py`); GB/s counts the bytes of the weight (and scales) each variant must read. The FP8
 floor is half the BF16 one, so the kernel's target is ≈ 2× cuBLAS at 1 and 16 rows.
 
-    python -m benchmarks.bench_fp8_linear [--rows 1 16 65] [--out results.json]
+`--sweep` times every launch configuration of the FP8 kernel (tile width, split-K, warps, pipeline stages; for
+one row also the CUDA-core GEMV) per projection and row count, each call over its own copy of the weight taken
+in turn from enough copies to overflow the L2 (as in a decode step, where every weight is read once), and prints
+the best few: what the tuned launch choice's candidates are made of.
+
+    python -m benchmarks.bench_fp8_linear [--rows 1 16 65] [--sweep] [--out results.json]
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 
 import torch
@@ -20,20 +26,83 @@ from benchmarks.bench_projection_kernels import shapes
 from benchmarks.timing import time_ms
 from dflash_tfm.config import ModelConfig
 from dflash_tfm.kernels.fp8.block_quant import dequantize_rows, expand_block_scales, quantize_blocks
-from dflash_tfm.kernels.fp8.weight_stream import fp8_matmul
+from dflash_tfm.kernels.fp8.weight_stream import Fp8StreamConfig, fp8_matmul
 from dflash_tfm.models.presets import QWEN3_6_27B
 
 ITERS, WARMUP = 50, 10
+L2_OVERFLOW_BYTES = 256 << 20  # the weight copies one sweep timing cycles through: several times any GPU's L2
+
+
+def sweep_configs(rows: int, N: int, K: int, sms: int) -> list[Fp8StreamConfig]:
+    """Every launch tried: tile width × split-K (programs per SM 1 … 8) × warps × stages, plus the GEMV for
+    one row."""
+    configs = []
+    for bn, per_sm, warps, stages in itertools.product((32, 64, 128), (1, 2, 4, 8), (4, 8), (3, 4)):
+        tiles = -(-N // bn)
+        split = max(1, min(K // 256, round(per_sm * sms / tiles)))
+        configs.append(Fp8StreamConfig(bn, split, warps, stages))
+    if rows == 1:
+        for bn, per_sm, warps, stages, sub in itertools.product((16, 32, 64), (2, 4, 8), (4, 8), (2, 4), (1, 2, 4)):
+            split = max(1, min(K // (128 * sub), round(per_sm * sms / -(-N // bn))))
+            configs.append(Fp8StreamConfig(bn, split, warps, stages, gemv=True, sub_blocks=sub))
+    return list(dict.fromkeys(configs))
+
+
+def sweep(args: argparse.Namespace, cfg: ModelConfig, dev: torch.device, dt: torch.dtype) -> list[dict]:
+    """The `--sweep` table: per projection and row count, the best configurations by median time."""
+    from triton.testing import do_bench_cudagraph
+
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    found = []
+    print("| rows | projection | N x K | best configurations: ms (GB/s) |\n|---|---|---|---|")
+    for name, (N, K) in shapes(cfg).items():
+        if name == "lm_head":
+            continue
+        q, block_scales = quantize_blocks(torch.randn(N, K, device=dev, dtype=dt) / K**0.5)
+        scale = expand_block_scales(block_scales, N)
+        nbytes = q.numel() + scale.numel() * 4
+        copies = [(q.clone(), scale.clone()) for _ in range(max(1, L2_OVERFLOW_BYTES // nbytes))]
+        for rows in args.rows:
+            x = torch.randn(rows, K, device=dev, dtype=dt)
+            timed = []
+            for c in sweep_configs(rows, N, K, sms):
+                def run(c=c) -> None:
+                    for w, s in copies:
+                        fp8_matmul(x, w, s, c)
+                try:
+                    ms = do_bench_cudagraph(run, rep=10, return_mode="median") / len(copies)
+                except Exception as e:  # noqa: BLE001 — a launch that does not fit (shared memory) is skipped
+                    print(f"  {c}: {type(e).__name__}", flush=True)
+                    continue
+                timed.append((ms, c))
+            timed.sort(key=lambda t: t[0])
+            default_ms = do_bench_cudagraph(lambda: [fp8_matmul(x, w, s) for w, s in copies], rep=20,
+                                            return_mode="median") / len(copies)
+            best = ", ".join(f"{c} {ms:.4f} ({nbytes / ms / 1e6:.0f})" for ms, c in timed[:3])
+            print(f"| {rows} | {name} | {N} x {K} | default {default_ms:.4f} ({nbytes / default_ms / 1e6:.0f}); "
+                  f"{best} |", flush=True)
+            found.append(dict(rows=rows, projection=name, N=N, K=K, fp8_bytes=nbytes, default_ms=default_ms,
+                              configs=[dict(ms=ms, **vars(c)) for ms, c in timed]))
+        del copies
+        torch.cuda.empty_cache()
+    return found
 
 
 @torch.inference_mode()
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 16, 65])
+    ap.add_argument("--sweep", action="store_true", help="time every launch configuration of the FP8 kernel")
     ap.add_argument("--out", default=None, help="write the table as JSON here")
     args = ap.parse_args()
     cfg = ModelConfig.from_dict(QWEN3_6_27B)
     dev, dt = torch.device("cuda"), torch.bfloat16
+    if args.sweep:
+        found = sweep(args, cfg, dev, dt)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump({"device": torch.cuda.get_device_name(), "sweep": found}, f, indent=1)
+        return
     print(f"{torch.cuda.get_device_name()}; median ms of {ITERS} CUDA-event timings; GB/s = weight bytes / time\n")
     print("| rows | projection | N x K | BF16 cuBLAS ms (GB/s) | FP8 kernel ms (GB/s) | dequant + cuBLAS ms | "
           "speed-up |")

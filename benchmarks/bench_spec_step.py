@@ -1,6 +1,7 @@
-"""The engine's whole speculative step at Qwen3.6-27B scale, phase by phase (GPU script).
+"""The engine's whole speculative step at Qwen3.6-27B (or Qwen3.5-35B-A3B) scale, phase by phase (GPU script).
 
-Target: the 27B-shaped random-BF16 model; drafter: the 1.73B Qwen3.6-27B-DFlash shape (5 layers, block 16);
+Target: the 27B-shaped random-BF16 model (`--target qwen3.5-35b-a3b`: the MoE one; `--quantization fp8`: its
+projections in FP8); drafter: the published drafter of that target (27B: 1.73B parameters, 5 layers, block 16);
 Weaver: the published shape (variant 1, d_rank 2048, 16 heads, mlp 2048, pool 512). All random, so almost
 nothing is accepted: this measures time per step, not τ (tokens per step come from trained models; see
 docs/TRAINING.md). For each algorithm, `SpeculativeDecoder.step` runs exactly as `Engine.generate` calls it
@@ -8,7 +9,7 @@ docs/TRAINING.md). For each algorithm, `SpeculativeDecoder.step` runs exactly as
 from the decoder's own CUDA events, the whole step from the host clock. Medians over --steps steps after
 warm-up, next to the AR decode step at the same context.
 
-    python -m benchmarks.bench_spec_step --out $OUT/spec_step.json [--profile]
+    python -m benchmarks.bench_spec_step --out $OUT/spec_step.json [--target …] [--quantization fp8] [--profile]
 
 --profile also prints, per mode, the kernels of each phase of a few eager steps (the graphs replay the same kernels).
 """
@@ -23,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.fp8_targets import TARGETS, random_target
 from benchmarks.kernel_profile import print_phase_tables
 from benchmarks.timing import report_choices, time_ms
 from dflash_tfm import tuning
@@ -31,8 +33,7 @@ from dflash_tfm.engine.decoder_factory import build_proposer
 from dflash_tfm.engine.model_runner import ModelRunner
 from dflash_tfm.engine.speculative import SpeculativeDecoder
 from dflash_tfm.layers.linear import skinny_projections
-from dflash_tfm.loading.loader import build_model
-from dflash_tfm.models.presets import PUBLISHED_WEAVER, QWEN3_6_27B, QWEN3_6_27B_DFLASH
+from dflash_tfm.models.presets import PUBLISHED_WEAVER
 from dflash_tfm.models.random_init import init_random_
 from dflash_tfm.sampling_params import SamplingParams
 from dflash_tfm.spec.dflash import DFlashDrafter
@@ -99,16 +100,19 @@ def main() -> None:
                          f"{weaver_tree.ROUND_UNIT}); another unit times fewer, wider Weaver rounds")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--target", default="qwen3.6-27b", choices=sorted(TARGETS), help="the shapes of the target")
+    ap.add_argument("--quantization", default=None, choices=["fp8"], help="hold the target's projections in FP8")
     ap.add_argument("--out", default=None)
     ap.add_argument("--profile", action="store_true", help="kernel tables of each phase, per mode")
     args = ap.parse_args()
     device, dtype = torch.device("cuda"), torch.bfloat16
     print(tuning.describe_kernel_path(device), flush=True)  # at start: the path a cache read gives this process
-    cfg = ModelConfig.from_dict(QWEN3_6_27B)
+    target_raw, drafter_raw = TARGETS[args.target]
+    cfg = ModelConfig.from_dict(target_raw)
     max_len = args.context + 2 * args.steps * 16 + 256
-    model = init_random_(build_model(cfg, device, dtype, max_positions=max_len + 64))
+    model = random_target(cfg, device, dtype, max_len + 64, args.quantization)
     runner = ModelRunner(model, max_len=max_len, device=device)
-    drafter = init_random_(DFlashDrafter(DFlashConfig.from_dict(QWEN3_6_27B_DFLASH), model, max_len=max_len + 64))
+    drafter = init_random_(DFlashDrafter(DFlashConfig.from_dict(drafter_raw), model, max_len=max_len + 64))
     block = drafter.config.block_size
     prompt = torch.randint(0, cfg.vocab_size, (args.context,)).tolist()
     greedy = SamplingParams(temperature=0.0)
@@ -120,7 +124,8 @@ def main() -> None:
     ar_ms = time_ms(lambda: runner.decode(token, args.context), 50)
     print(f"AR decode step at context {args.context}: {ar_ms:.2f} ms", flush=True)
 
-    results = {"context": args.context, "ar_step_ms": ar_ms, "modes": {}}
+    results = {"target": args.target, "quantization": args.quantization, "context": args.context,
+               "ar_step_ms": ar_ms, "modes": {}}
     with tempfile.TemporaryDirectory() as tmp:
         weaver_path = Path(tmp) / "weaver.pth"
         write_random_weaver_checkpoint(weaver_path, cfg, K=block - 1, **PUBLISHED_WEAVER)
@@ -146,7 +151,8 @@ def main() -> None:
             torch.cuda.empty_cache()
         weaver_tree.ROUND_UNIT = engine_unit
 
-    print(f"\n{torch.cuda.get_device_name()}, context {args.context}, AR step {ar_ms:.2f} ms; median of {args.steps} steps")
+    print(f"\n{torch.cuda.get_device_name()}, {args.target} {args.quantization or 'bf16'}, context {args.context}, "
+          f"AR step {ar_ms:.2f} ms; median of {args.steps} steps")
     print("| mode | nodes | draft ms | tree ms | verify ms | commit ms | step ms (host) | (draft+tree+commit)/verify |")
     print("|---|---|---|---|---|---|---|---|")
     for name, r in results["modes"].items():

@@ -16,16 +16,12 @@ import json
 
 import torch
 
-from benchmarks.fp8_targets import random_target
+from benchmarks.fp8_targets import TARGETS, random_target
 from benchmarks.timing import capture, report_choices, time_ms
 from dflash_tfm.config import ModelConfig
 from dflash_tfm.engine.model_runner import ModelRunner
 from dflash_tfm.layers.linear import skinny_projections
-from dflash_tfm.models.presets import QWEN3_5_35B_A3B, QWEN3_6_27B
 from dflash_tfm.tree import TreeSpec, random_parents
-
-
-TARGETS = {"qwen3.6-27b": QWEN3_6_27B, "qwen3.5-35b-a3b": QWEN3_5_35B_A3B}
 
 
 def first_child_path(parents: torch.Tensor, depth: int = 5) -> tuple[torch.Tensor, torch.Tensor]:
@@ -90,7 +86,7 @@ def main() -> None:
     ap.add_argument("--target", default="qwen3.6-27b", choices=sorted(TARGETS), help="the shapes of the target")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    cfg = ModelConfig.from_dict(TARGETS[args.target])
+    cfg = ModelConfig.from_dict(TARGETS[args.target][0])
     device = torch.device("cuda")
     model = random_target(cfg, device, torch.bfloat16, args.context + 1024, args.quantization)
     L = args.context

@@ -3,7 +3,7 @@
 # the benchmarks. Logs and JSON land in $OUT (default ./out); a short table is printed last.
 #   device run:  bash scripts/gpu_check.sh            (carry: .whl with the fla-core and gguf wheels)
 # Set GPU_CHECK_PARTS to a subset of "tests kernels tree moe ar verify draft spec projections profile
-# profile_verify train fp8" to run only those parts, MOE_SWEEP=1 to have the moe part also time its tile settings,
+# profile_verify train fp8 fp8_sweep" to run only those parts, MOE_SWEEP=1 to have the moe part also time its tile settings,
 # GPU_TESTS to test paths, VERIFY_NS to the verify step's tree sizes, SPEC_BUDGETS to the speculative step's tree
 # sizes, SMOL_GGUF to the SmolLM2 GGUF (staged from .stage/smol) for the fp8 part's GSM8K agreement run. All
 # parts take longer than one 10-minute device call: e.g. "tests" in one call, "ar verify spec
@@ -43,6 +43,11 @@ has moe && run bench_moe_experts python3 -m benchmarks.bench_moe_experts ${MOE_S
 # verify(N) / AR on the MoE target: a tree reads the union of its tokens' experts (the adaptive budget's cost).
 has moe && run bench_verify_step_moe python3 -m benchmarks.bench_verify_step --target qwen3.5-35b-a3b \
   --ns 1 4 8 16 32 65 --out "$OUT/verify_step_moe.json"
+# The MoE AR step against the bytes one token reads, and its speculative steps at every size the budget may take.
+has moe && run bench_ar_decode_moe python3 -m benchmarks.bench_ar_decode --target qwen3.5-35b-a3b --contexts 1024 \
+  --iters 50 --out "$OUT/ar_decode_moe.json"
+has moe && run bench_spec_step_moe python3 -m benchmarks.bench_spec_step --target qwen3.5-35b-a3b \
+  --budgets ${SPEC_BUDGETS:-8 16 32 64} --tfm-children-per-node 16 --steps 30 --out "$OUT/spec_step_moe.json"
 has ar && run bench_ar_decode python3 -m benchmarks.bench_ar_decode --out "$OUT/ar_decode.json"
 has verify && run bench_verify_step python3 -m benchmarks.bench_verify_step --ns ${VERIFY_NS:-1 16 65 129} \
   --out "$OUT/verify_step.json"
@@ -60,6 +65,8 @@ has profile && run profile_decode python3 -m benchmarks.profile_decode_step
 has fp8 && run fp8_tests python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_fp8_matmul.py \
   tests/loading/test_fp8_checkpoints.py
 has fp8 && run bench_fp8_linear python3 -m benchmarks.bench_fp8_linear --out "$OUT/fp8_linear.json"
+has fp8_sweep && run sweep_fp8_linear python3 -m benchmarks.bench_fp8_linear --sweep --rows ${FP8_SWEEP_ROWS:-1 65} \
+  --out "$OUT/fp8_sweep.json"
 has fp8 && run bench_ar_decode_fp8 python3 -m benchmarks.bench_ar_decode --quantization fp8 --out "$OUT/ar_decode_fp8.json"
 has fp8 && run bench_verify_step_fp8 python3 -m benchmarks.bench_verify_step --ns 1 16 65 --quantization fp8 \
   --out "$OUT/verify_step_fp8.json"

@@ -28,10 +28,12 @@ CASES = [  # rows, N, K, config: N and K off the 128 grid, split-K 1 and 3, seve
     (3, 200, 384, Fp8StreamConfig(block_n=64, split_k=2)),
     (17, 72, 260, Fp8StreamConfig(block_n=16, split_k=3)),
     (65, 33, 128, Fp8StreamConfig(block_n=32, num_warps=8)),
+    (1, 40, 300, Fp8StreamConfig(block_n=16, gemv=True)),
+    (1, 70, 900, Fp8StreamConfig(block_n=32, split_k=2, gemv=True, sub_blocks=2)),
 ]
 
 
-@pytest.mark.parametrize("rows, N, K, config", CASES, ids=[f"{m}x{n}x{k}-split{c.split_k}" for m, n, k, c in CASES])
+@pytest.mark.parametrize("rows, N, K, config", CASES, ids=[f"{m}x{n}x{k}-split{c.split_k}{'-gemv' if c.gemv else ''}" for m, n, k, c in CASES])
 def test_triton_fp8_matmul_matches_twin(rows: int, N: int, K: int, config: Fp8StreamConfig, triton_device: str) -> None:
     w, scale = fp8_weight(N, K, seed=rows, device=triton_device)
     x = torch.randn(1, rows, K, generator=torch.Generator().manual_seed(rows + 1)).to(triton_device)

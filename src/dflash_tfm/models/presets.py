@@ -63,6 +63,16 @@ QWEN3_6_27B_DFLASH: dict = {
     "dflash_config": {"mask_token_id": 248070, "target_layer_ids": [1, 16, 31, 46, 61]},
 }
 
+# z-lab/Qwen3.6-35B-A3B-DFlash, the drafter of the MoE target above: 6 layers (5 sliding-window, 1 full), eight
+# tap layers and a mask token of its own.
+QWEN3_6_35B_A3B_DFLASH: dict = {
+    "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": 2048, "num_hidden_layers": 6,
+    "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 6144,
+    "rms_norm_eps": 1e-6, "rope_theta": 10_000_000.0, "layer_types": [_S] * 5 + [_F], "sliding_window": 4096,
+    "use_sliding_window": True, "num_target_layers": 40, "block_size": 16,
+    "dflash_config": {"mask_token_id": 248077, "target_layer_ids": [1, 6, 11, 16, 22, 27, 32, 37]},
+}
+
 # The published Weaver (variant 1), as `spec.weaver_fixtures.write_random_weaver_checkpoint` arguments (plus K).
 PUBLISHED_WEAVER: dict = {"variant": 1, "d_rank": 2048, "num_heads": 16, "mlp_dim": 2048, "num_layers": 1, "pool": 512}
 

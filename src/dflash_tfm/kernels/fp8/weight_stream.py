@@ -31,10 +31,14 @@ SHARED_MEMORY_BUDGET = 200 * 1024  # bytes of pipelined tiles per program (sm_90
 
 @dataclass(frozen=True)
 class Fp8StreamConfig:
+    """One launch: ``gemv`` (one row only) multiplies on the CUDA cores and reads ``sub_blocks`` scale blocks of
+    K per loop step; otherwise the tensor-core tile loop, one scale block per step."""
     block_n: int = 64
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 4
+    gemv: bool = False
+    sub_blocks: int = 1
 
 
 @triton.jit
@@ -62,6 +66,32 @@ def _fp8_matmul_kernel(
              acc.to(out.dtype.element_ty), mask=mm[:, None] & nm[None, :])
 
 
+@triton.jit
+def _fp8_gemv_kernel(
+    x, w, s, out, N, K, k_per_split, sxk, swn, swk, ssn, ssk, sos,
+    BN: tl.constexpr, BK: tl.constexpr, SUB: tl.constexpr,
+):
+    """One row: grid (cdiv(N, BN), SPLIT_K). Each loop step reads SUB scale blocks of 128 weights per output
+    row (a [BN, 128] tile each, K contiguous), multiplies by x in fp32 on the CUDA cores and applies each block's
+    scale to its row sums. out [SPLIT_K, N] (fp32 partials) or [N]; k_per_split is a multiple of SUB · BK."""
+    offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
+    nm = offs_n < N
+    split = tl.program_id(1)
+    k_lo = split * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
+    acc = tl.zeros([BN], dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, SUB * BK):
+        for j in tl.static_range(SUB):
+            offs_k = k0 + j * BK + tl.arange(0, BK)
+            km = offs_k < k_hi
+            xv = tl.load(x + offs_k * sxk, mask=km, other=0.0).to(tl.float32)
+            wv = tl.load(w + offs_n[:, None] * swn + offs_k[None, :] * swk, mask=nm[:, None] & km[None, :],
+                         other=0.0).to(tl.float32)
+            scale = tl.load(s + offs_n * ssn + (k0 // BK + j) * ssk, mask=nm & (k0 + j * BK < k_hi), other=0.0)
+            acc += tl.sum(wv * xv[None, :], axis=1) * scale
+    tl.store(out + split * sos + offs_n, acc.to(out.dtype.element_ty), mask=nm)
+
+
 def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                config: Fp8StreamConfig | None = None) -> torch.Tensor:
     """``x [..., K] @ (weight · scale)ᵀ -> [..., N]`` in x's dtype with fp32 accumulation: weight FP8 [N, K], scale
@@ -78,19 +108,26 @@ def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     BM = block_m(M)
     c = config or stream_config(M, N, K, torch.cuda.get_device_properties(x.device).multi_processor_count
                                 if x.is_cuda else 1)
-    k_per_split = triton.cdiv(triton.cdiv(K, c.split_k), BLOCK) * BLOCK
+    if c.gemv and M != 1:
+        raise ValueError(f"the FP8 GEMV launch takes one row, got {M}")
+    step = BLOCK * (c.sub_blocks if c.gemv else 1)
+    k_per_split = triton.cdiv(triton.cdiv(K, c.split_k), step) * step
     splits = triton.cdiv(K, k_per_split)
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     target = out if splits == 1 else torch.empty(splits, M, N, dtype=torch.float32, device=x.device)
-    grid = (triton.cdiv(N, c.block_n), triton.cdiv(M, BM), splits)
     out_strides = (target.stride(-2), target.stride(-1), target.stride(0) if splits > 1 else 0)
-    _fp8_matmul_kernel[grid](
-        x2, weight, scale, target, M, N, K, k_per_split, *x2.stride(), *weight.stride(), *scale.stride(),
-        *out_strides, BM=BM, BN=c.block_n, BK=BLOCK, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        num_warps=c.num_warps, num_stages=c.num_stages)
+    if c.gemv:
+        _fp8_gemv_kernel[(triton.cdiv(N, c.block_n), splits)](
+            x2, weight, scale, target, N, K, k_per_split, x2.stride(1), *weight.stride(), *scale.stride(),
+            out_strides[2], BN=c.block_n, BK=BLOCK, SUB=c.sub_blocks, num_warps=c.num_warps, num_stages=c.num_stages)
+    else:
+        grid = (triton.cdiv(N, c.block_n), triton.cdiv(M, BM), splits)
+        _fp8_matmul_kernel[grid](
+            x2, weight, scale, target, M, N, K, k_per_split, *x2.stride(), *weight.stride(), *scale.stride(),
+            *out_strides, BM=BM, BN=c.block_n, BK=BLOCK, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+            num_warps=c.num_warps, num_stages=c.num_stages)
     if splits > 1:
-        step = 1024
-        sum_splits_kernel[(triton.cdiv(M * N, step),)](target, out, M * N, SPLIT_K=splits, BLOCK=step)
+        sum_splits_kernel[(triton.cdiv(M * N, 1024),)](target, out, M * N, SPLIT_K=splits, BLOCK=1024)
     return out.view(*lead, N)
 
 
