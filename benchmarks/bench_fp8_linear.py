@@ -34,17 +34,18 @@ L2_OVERFLOW_BYTES = 256 << 20  # the weight copies one sweep timing cycles throu
 
 
 def sweep_configs(rows: int, N: int, K: int, sms: int) -> list[Fp8StreamConfig]:
-    """Every launch tried: tile width × split-K (programs per SM 1 … 8) × warps × stages, plus the GEMV for
-    one row."""
+    """Every launch tried: for one row the CUDA-core GEMV (tile width × split-K from 2 to 8 programs per SM ×
+    warps × stages × K blocks per step), else the tensor-core tiles (width × 1 to 4 programs per SM × warps ×
+    stages)."""
     configs = []
-    for bn, per_sm, warps, stages in itertools.product((32, 64, 128), (1, 2, 4, 8), (4, 8), (3, 4)):
-        tiles = -(-N // bn)
-        split = max(1, min(K // 256, round(per_sm * sms / tiles)))
-        configs.append(Fp8StreamConfig(bn, split, warps, stages))
     if rows == 1:
         for bn, per_sm, warps, stages, sub in itertools.product((16, 32, 64), (2, 4, 8), (4, 8), (2, 4), (1, 2, 4)):
             split = max(1, min(K // (128 * sub), round(per_sm * sms / -(-N // bn))))
             configs.append(Fp8StreamConfig(bn, split, warps, stages, gemv=True, sub_blocks=sub))
+        return list(dict.fromkeys(configs))
+    for bn, per_sm, warps, stages in itertools.product((32, 64, 128, 256), (1, 2, 4), (4, 8), (2, 3, 4)):
+        split = max(1, min(K // 256, round(per_sm * sms / -(-N // bn))))
+        configs.append(Fp8StreamConfig(bn, split, warps, stages))
     return list(dict.fromkeys(configs))
 
 

@@ -9,7 +9,7 @@ from dflash_tfm.kernels.fp8.block_quant import (
     BLOCK, FP8_MAX, dequantize_rows, expand_block_scales, quantize_blocks, scale_shape,
 )
 from dflash_tfm.kernels.fp8.reference import fp8_matmul_reference
-from dflash_tfm.kernels.fp8.weight_stream import Fp8StreamConfig, fp8_matmul, stream_config
+from dflash_tfm.kernels.fp8.weight_stream import LAUNCHES, Fp8StreamConfig, fp8_matmul, launches_for, stream_config
 
 from .test_tree_common import rel_err, triton_device  # noqa: F401  (fixture)
 
@@ -79,9 +79,14 @@ def test_quantize_blocks_handles_stacks_and_zero_blocks() -> None:
 
 
 def test_stream_config_splits_k_until_the_gpu_is_full() -> None:
-    """The MLP down projection (5120 × 17408) at one row: 80 column tiles, split-K 4 on 132 SMs."""
-    assert stream_config(1, 5120, 17408, sms=132) == Fp8StreamConfig(64, 4, 4, 4)
+    """The MLP down projection (5120 × 17408) at one row: 80 column tiles, split-K 3 for two programs per SM on
+    132 SMs; the GEMV of 16-wide tiles at four per SM: 320 tiles, no split; 65 rows: fewer stages fit."""
+    assert stream_config(1, 5120, 17408, sms=132) == Fp8StreamConfig(64, 3, 4, 4)
     assert stream_config(65, 248320, 5120, sms=132).split_k == 1
+    assert stream_config(65, 5120, 5120, sms=132, launch=LAUNCHES["tiles n128 w8"]).num_stages == 3
+    gemv = stream_config(1, 5120, 17408, sms=132, launch=LAUNCHES["gemv n16 k4 w8"])
+    assert gemv == Fp8StreamConfig(16, 2, 8, 2, gemv=True, sub_blocks=4)
+    assert launches_for(1) == tuple(LAUNCHES) and not any(LAUNCHES[n].gemv for n in launches_for(16))
 
 
 SHAPES_27B = {"mlp gate_up": (34816, 5120), "mlp down": (5120, 17408), "gdn in_proj": (16480, 5120),
@@ -92,9 +97,12 @@ SHAPES_27B = {"mlp gate_up": (34816, 5120), "mlp down": (5120, 17408), "gdn in_p
 @pytest.mark.parametrize("rows", [1, 16, 65])
 @pytest.mark.parametrize("name", list(SHAPES_27B))
 def test_fp8_matmul_at_27b_shapes(name: str, rows: int) -> None:
+    """Every launch the tuned choice may take, at every 27B projection and row count."""
     N, K = SHAPES_27B[name]
     w, scale = fp8_weight(N, K, seed=rows, device="cuda")
     x = torch.randn(rows, K, device="cuda", dtype=torch.bfloat16)
-    y = fp8_matmul(x, w, scale)
-    reference = fp8_matmul_reference(x.float(), w, scale)  # fp32 twin: the kernel's only rounding is its output's
-    assert rel_err(y, reference) <= 1e-2
+    reference = fp8_matmul_reference(x.float(), w, scale)  # fp32 twin: the kernel's roundings are bf16 ones
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for launch in launches_for(rows):
+        y = fp8_matmul(x, w, scale, stream_config(rows, N, K, sms, LAUNCHES[launch]))
+        assert rel_err(y, reference) <= 1e-2, launch

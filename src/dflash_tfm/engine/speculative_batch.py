@@ -21,7 +21,13 @@ request owns one row (slot) of the target's cache (`BatchRunner`) and of the dra
 Rows of the bucket that hold no request run a throwaway tree at position 0: admission resets the row's state and
 the prefill overwrites what that wrote. The proposal size is fixed (the engine's tree budget); the caches carry
 `TREE_SLACK` positions beyond the context so a request can decode to the last position of its context with a
-whole tree. The step runs eagerly (no CUDA graphs yet).
+whole tree.
+
+On CUDA steps 2–5 are four CUDA graphs (`PhaseGraphs`), as in the one-request decoder: draft per (batch bucket,
+drafter key-length bucket), tree and verify per batch bucket, commit per batch bucket and the sampling settings of
+its rows (a sampled row's settings are constants of the graph; its uniforms are drawn eagerly into a static
+buffer first). Every phase reads and writes per-bucket buffers that live as long as the batch, so a replayed
+graph finds its inputs where it captured them. Without graphs (the CPU) the same phases run eagerly.
 """
 from __future__ import annotations
 
@@ -32,10 +38,12 @@ import torch
 from dflash_tfm.engine.batch_runner import BatchRunner, batch_bucket
 from dflash_tfm.engine.batch_slots import BatchSlots
 from dflash_tfm.engine.model_runner import key_length_bucket, prefill_in_chunks
+from dflash_tfm.engine.phase_graphs import PhaseGraphs
 from dflash_tfm.engine.sequence import Sequence, StreamDelta
 from dflash_tfm.engine.speculative import Proposer
 from dflash_tfm.layers.linear import skinny_projections
 from dflash_tfm.sampling import sample
+from dflash_tfm.sampling_params import SamplingParams
 from dflash_tfm.spec.accept import accept_tree, target_draws
 from dflash_tfm.tree import TreeSpec
 
@@ -65,6 +73,12 @@ class SpeculativeBatch(BatchSlots):
         self._h_last = torch.zeros(slots, self.model.config.hidden_size, dtype=self.model.embed_tokens.dtype,
                                    device=device)
         self._uniforms = torch.zeros(slots, proposer.num_nodes, device=device)
+        self.graphs = PhaseGraphs(runner.graphs.enabled, per_phase=8 * (slots.bit_length() + 1))
+        # Per batch bucket, what one phase hands the next (see the module docstring)
+        self._drafted: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._trees: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor, TreeSpec]] = {}
+        self._verified: dict[int, tuple] = {}
+        self._produced: dict[int, torch.Tensor] = {}
 
     def _release(self, seq: Sequence) -> None:
         super()._release(seq)
@@ -119,35 +133,66 @@ class SpeculativeBatch(BatchSlots):
     def _speculate(self, bucket: int, rows: dict[int, Sequence]) -> dict[int, list[int]]:
         """Draft -> trees -> one verify -> per-row acceptance -> one commit over rows 0 .. bucket - 1; the tokens
         each decoding row produced (its accepted drafts, then the bonus token)."""
-        lengths = self._length[:bucket]
         longest = max(seq.length for seq in rows.values())
         draft_len = key_length_bucket(longest + self.max_depth, self.runner.max_len)
-        logits, hidden = self.drafter.draft(self._root[:bucket], lengths, draft_len)
-        built = [self.proposer.build(self._root[r : r + 1], logits[r], hidden[r], self._h_last[r])
-                 for r in range(bucket)]
-        tokens, parents, depths = (torch.stack(parts) for parts in zip(*built))
-        tree = TreeSpec.build(tokens, parents, cache_len=lengths)
-        cache = self.runner.cache.rows(0, bucket)
-        out, taps, saved = self.model.verify(tree, cache, lengths, self.tap_layers)
-        target_logits = self.model.logits(out)
-        draws = target_logits.argmax(-1)  # greedy rows (and rows without a request)
+        params = [rows[r].params if r in rows else None for r in range(bucket)]
         for r, seq in rows.items():
             if not seq.params.greedy:
                 self._uniforms[r].uniform_(generator=seq.generator)
-                draws[r] = target_draws(target_logits[r], seq.params, self._uniforms[r])
-        acc = accept_tree(tokens, parents, depths, tree.ancestor_mask(), draws, self.max_depth)
-        self.model.commit(cache, lengths, tree, saved, acc.accepted, acc.path)
-        feats = torch.cat(taps, dim=-1)
-        on_path = acc.path_or_last()[:, :, None].expand(-1, -1, feats.shape[-1])
-        self.drafter.append_context(feats.gather(1, on_path), lengths)
-        produced = acc.emitted(tokens)
-        self._h_last[:bucket] = out[torch.arange(bucket, device=out.device), acc.last]
-        self._root[:bucket] = acc.bonus
-        self._length[:bucket] += (acc.path >= 0).sum(-1)
-        produced_host = produced.tolist()  # the one host read of the step
+        sampling = tuple("greedy" if p is None or p.greedy else (p.temperature, p.top_k, p.top_p) for p in params)
+        self.graphs.run(("draft", bucket, draft_len), lambda: self._draft(bucket, draft_len))
+        self.graphs.run(("tree", bucket), lambda: self._tree(bucket))
+        self.graphs.run(("verify", bucket), lambda: self._verify(bucket))
+        self.graphs.run(("commit", bucket, sampling), lambda: self._commit(bucket, params), advances_state=True)
+        produced_host = self._produced[bucket].tolist()  # the one host read of the step
         emitted = {}
         for slot, seq in rows.items():
             row = produced_host[slot]
             emitted[slot] = row[: row.index(-1)] if -1 in row else row
             seq.length += len(emitted[slot])
         return emitted
+
+    # ---- phases: per-bucket device buffers in, per-bucket device buffers out ----------------------------
+    def _draft(self, bucket: int, draft_len: int) -> None:
+        logits, hidden = self.drafter.draft(self._root[:bucket], self._length[:bucket], draft_len)
+        if bucket not in self._drafted:
+            self._drafted[bucket] = (torch.empty_like(logits), torch.empty_like(hidden))
+        self._drafted[bucket][0].copy_(logits)
+        self._drafted[bucket][1].copy_(hidden)
+
+    def _tree(self, bucket: int) -> None:
+        logits, hidden = self._drafted[bucket]
+        built = [self.proposer.build(self._root[r : r + 1], logits[r], hidden[r], self._h_last[r])
+                 for r in range(bucket)]
+        tokens, parents, depths = (torch.stack(parts) for parts in zip(*built))
+        self._trees[bucket] = (tokens, parents, depths, TreeSpec.build(tokens, parents, cache_len=self._length[:bucket]))
+
+    def _verify(self, bucket: int) -> None:
+        tree = self._trees[bucket][3]
+        out, taps, saved = self.model.verify(tree, self.runner.cache.rows(0, bucket), self._length[:bucket],
+                                             self.tap_layers)
+        self._verified[bucket] = (out, taps, saved, self.model.logits(out))
+
+    def _commit(self, bucket: int, params: list[SamplingParams | None]) -> None:
+        """Accept every row along its target draws (argmax for greedy rows and rows without a request), commit
+        the paths to the target and drafter caches, advance length / root / h_last, and write each row's
+        produced tokens (-1 padded)."""
+        tokens, parents, depths, tree = self._trees[bucket]
+        out, taps, saved, target_logits = self._verified[bucket]
+        lengths = self._length[:bucket]
+        draws = target_logits.argmax(-1)
+        for r, p in enumerate(params):
+            if p is not None and not p.greedy:
+                draws[r] = target_draws(target_logits[r], p, self._uniforms[r])
+        acc = accept_tree(tokens, parents, depths, tree.ancestor_mask(), draws, self.max_depth)
+        self.model.commit(self.runner.cache.rows(0, bucket), lengths, tree, saved, acc.accepted, acc.path)
+        feats = torch.cat(taps, dim=-1)
+        on_path = acc.path_or_last()[:, :, None].expand(-1, -1, feats.shape[-1])
+        self.drafter.append_context(feats.gather(1, on_path), lengths)
+        produced = acc.emitted(tokens)
+        if bucket not in self._produced:
+            self._produced[bucket] = torch.empty_like(produced)
+        self._produced[bucket].copy_(produced)
+        self._h_last[:bucket] = out[torch.arange(bucket, device=out.device), acc.last]
+        self._root[:bucket] = acc.bonus
+        self._length[:bucket] += (acc.path >= 0).sum(-1)

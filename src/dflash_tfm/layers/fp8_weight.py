@@ -13,9 +13,15 @@ and overwrites the FP8 product's columns there; its FP8 rows are zero with scale
 How the product runs: up to `MAX_ROWS` rows on CUDA (decode, tree verify, drafter-sized blocks) the Triton weight
 stream reads the FP8 bytes once and scales in the kernel; more rows (prefill) dequantise the weight to the
 activations' dtype and run cuBLAS, where the weight is reused by many rows and a transient BF16 copy is cheap
-next to the GEMM; on the CPU the twin (the same dequantise-then-matmul) runs.
+next to the GEMM; on the CPU the twin (the same dequantise-then-matmul) runs. Which launch of the weight stream
+(tile width, split-K, the one-row GEMV: `kernels/fp8/weight_stream.LAUNCHES`) runs for a shape is a tuned
+choice, `FP8_PROJECTION`: the fastest one differs between the 5120-wide and the 35k-wide projections and between
+one row and 65 (the H100 sweep in docs/PERFORMANCE.md), so it is timed once per GPU model like the BF16
+projections' kernels (`dflash_tfm.tuning`).
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -23,7 +29,10 @@ from torch import nn
 
 from dflash_tfm.kernels import use_triton
 from dflash_tfm.kernels.fp8.block_quant import BLOCK, FP8_DTYPE, dequantize_rows
-from dflash_tfm.kernels.fp8.weight_stream import MAX_ROWS, fp8_matmul
+from dflash_tfm.kernels.fp8.weight_stream import DEFAULT_LAUNCH, LAUNCHES, MAX_ROWS, fp8_matmul, launches_for, stream_config
+from dflash_tfm.tuning import TunedChoice
+
+FP8_PROJECTION = TunedChoice("fp8_projection", default=DEFAULT_LAUNCH, candidates=tuple(LAUNCHES))
 
 
 class Fp8Weight(nn.Module):
@@ -88,7 +97,15 @@ def fp8_linear(x: torch.Tensor, weight: Fp8Weight) -> torch.Tensor:
     """``x [..., K] @ weight.dequantize()ᵀ -> [..., N]`` (see the module docstring for which kernel runs)."""
     rows = x.numel() // x.shape[-1]
     if use_triton(x) and rows <= MAX_ROWS:
-        y = fp8_matmul(x, weight.weight, weight.scale)
+        w, scale = weight.weight, weight.scale
+        N, K = w.shape
+        sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 1
+        config = functools.partial(stream_config, rows, N, K, sms)
+        name = FP8_PROJECTION.pick(
+            (rows, N, K, x.dtype),
+            lambda: {n: functools.partial(fp8_matmul, x, w, scale, config(LAUNCHES[n])) for n in launches_for(rows)},
+            x.device)
+        y = fp8_matmul(x, w, scale, config(LAUNCHES[name]))
     else:
         y = F.linear(x, dequantize_rows(weight.weight, weight.scale, x.dtype))
     if weight.dense is not None:

@@ -4,13 +4,14 @@ weight in FP8 and its block scales applied in the kernel: a weight stream that r
 The design is `kernels/linear/skinny_matmul.py`'s: one program owns a ``BM × BN`` output tile and a slice of K,
 split-K into an fp32 workspace summed in a fixed order by a second kernel (deterministic, identical in eager runs
 and CUDA-graph replays, no atomics). The K step is the 128-wide scale block, so each step loads an FP8 tile
-``[BN, 128]``, widens it to the activations' dtype (exact: every e4m3 value is a bf16 / fp16 value), multiplies it
-on the tensor cores with fp32 accumulation, and scales that step's partial product by the tile rows' scales for
-this K block (``scale [N, ⌈K/128⌉]``, one per output row: `block_quant`) before adding it to the fp32 accumulator.
+``[BN, 128]``, multiplies it by its rows' scales for this K block (``scale [N, ⌈K/128⌉]``, one per output row: `block_quant`),
+rounds that to the activations' dtype and accumulates its product with x on the tensor cores in fp32. One row (a
+decode step) can instead take the GEMV launch: the same weight stream multiplied on the CUDA cores, several K
+blocks per loop step, each block's scale applied to its fp32 row sums.
 Every launch allocates only its output (and the split workspace), so it is safe inside a CUDA-graph capture.
 
-The twin is `reference.fp8_matmul_reference` (dequantise, then ``F.linear``); the two differ by the twin's one
-rounding of the dequantised weight to the activations' dtype.
+The twin is `reference.fp8_matmul_reference` (dequantise, then ``F.linear``): the tile launch rounds the
+dequantised weight as the twin does, the GEMV keeps it in fp32.
 """
 from __future__ import annotations
 
@@ -61,7 +62,8 @@ def _fp8_matmul_kernel(
         a = tl.load(x + offs_m[:, None] * sxm + offs_k[None, :] * sxk, mask=mm[:, None] & km[None, :], other=0.0)
         b = tl.load(w + offs_n[None, :] * swn + offs_k[:, None] * swk, mask=nm[None, :] & km[:, None], other=0.0)
         scale = tl.load(s + offs_n * ssn + (k0 // BK) * ssk, mask=nm, other=0.0)
-        acc += tl.dot(a, b.to(a.dtype), input_precision=PRECISION) * scale[None, :]
+        # the tile dequantised to x's dtype (the twin's one rounding), so the tensor cores accumulate in place
+        acc = tl.dot(a, (b.to(tl.float32) * scale[None, :]).to(a.dtype), acc, input_precision=PRECISION)
     tl.store(out + split * sos + offs_m[:, None] * som + offs_n[None, :] * son,
              acc.to(out.dtype.element_ty), mask=mm[:, None] & nm[None, :])
 
@@ -131,13 +133,48 @@ def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     return out.view(*lead, N)
 
 
-def stream_config(M: int, N: int, K: int, sms: int, block_n: int = 64) -> Fp8StreamConfig:
-    """The launch for an M × N × K product: the split-K that brings the program count near two per SM (each
-    split keeping ≥ 4 K steps) and as many pipeline stages (≤ 4) as fit the shared memory (16-bit x tile, 8-bit
-    weight tile)."""
-    stages = max(1, min(4, SHARED_MEMORY_BUDGET // ((2 * block_m(M) + block_n) * BLOCK)))
-    tiles = triton.cdiv(N, block_n) * triton.cdiv(M, block_m(M))
-    split = 1
-    while tiles * split < 2 * sms and K // (split * 2) >= 4 * BLOCK:
-        split *= 2
-    return Fp8StreamConfig(block_n, split, 4, stages)
+@dataclass(frozen=True)
+class Fp8Launch:
+    """A launch shape independent of the product's size: `stream_config` turns it into a config for M × N × K,
+    with the split-K that gives about ``programs_per_sm`` programs per SM."""
+    block_n: int
+    programs_per_sm: int
+    num_warps: int
+    num_stages: int = 4
+    gemv: bool = False
+    sub_blocks: int = 1
+
+
+# The candidates of the tuned launch choice (`layers/fp8_weight.py`), from the H100 sweep of every launch at the
+# 27B projections (`benchmarks.bench_fp8_linear --sweep`, docs/PERFORMANCE.md): for one row the GEMV with narrow
+# tiles and 512 K per step won on the wide projections, wider tiles and more splits on the 5120-wide ones; for
+# 16 and 65 rows narrow tensor-core tiles with three stages.
+DEFAULT_LAUNCH = "tiles n64"
+LAUNCHES = {
+    "tiles n64": Fp8Launch(64, 2, 4),
+    "tiles n32": Fp8Launch(32, 2, 4, 3),
+    "tiles n32 x1": Fp8Launch(32, 1, 4, 3),
+    "tiles n128 w8": Fp8Launch(128, 2, 8, 3),
+    "gemv n16 k4 w8": Fp8Launch(16, 4, 8, 2, gemv=True, sub_blocks=4),
+    "gemv n32 k4": Fp8Launch(32, 4, 4, 2, gemv=True, sub_blocks=4),
+    "gemv n64 k2 w8": Fp8Launch(64, 4, 8, 2, gemv=True, sub_blocks=2),
+    "gemv n64 k1 w8": Fp8Launch(64, 4, 8, 2, gemv=True, sub_blocks=1),
+}
+
+
+def launches_for(rows: int) -> tuple[str, ...]:
+    """The launches that can run ``rows`` rows (the GEMV takes one)."""
+    return tuple(name for name, launch in LAUNCHES.items() if rows == 1 or not launch.gemv)
+
+
+def stream_config(M: int, N: int, K: int, sms: int, launch: Fp8Launch = LAUNCHES[DEFAULT_LAUNCH]) -> Fp8StreamConfig:
+    """The config of ``launch`` for an M × N × K product: the split-K nearest ``programs_per_sm`` programs per
+    SM (each split keeping at least two loop steps) and, for the tile loop, at most ``num_stages`` pipeline
+    stages, fewer where they do not fit the shared memory (16-bit x tile, 8-bit weight tile)."""
+    step = BLOCK * launch.sub_blocks if launch.gemv else BLOCK
+    tiles = triton.cdiv(N, launch.block_n) * (1 if launch.gemv else triton.cdiv(M, block_m(M)))
+    split = max(1, min(K // (2 * step), round(launch.programs_per_sm * sms / tiles)))
+    stages = launch.num_stages
+    if not launch.gemv:
+        stages = max(1, min(stages, SHARED_MEMORY_BUDGET // ((2 * block_m(M) + launch.block_n) * BLOCK)))
+    return Fp8StreamConfig(launch.block_n, split, launch.num_warps, stages, launch.gemv, launch.sub_blocks)

@@ -1,0 +1,61 @@
+"""GPU-only: the batched speculative step as CUDA-graph replays (draft, tree, verify and commit graphs per batch
+bucket) gives every request the tokens the same batch gives eagerly, and its solo output; greedy and sampled
+requests (a sampled row's settings are constants of its commit graph), on tiny random llama, hybrid and MoE
+targets with every algorithm."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dflash_tfm import Engine, SpeculativeConfig
+from dflash_tfm.config import ModelConfig
+from dflash_tfm.engine.speculative_batch import SpeculativeBatch
+from dflash_tfm.loading.loader import open_checkpoint
+from dflash_tfm.spec.fixtures import write_random_dflash_checkpoint
+from dflash_tfm.spec.weaver_fixtures import write_random_weaver_checkpoint
+from tests.engine.test_continuous_batching import (MAX_LEN, SLOTS, assert_sampled_requests_reproduce_their_solo_draws,
+                                                   mixed_requests, run_batch, solo)
+from tests.train.tiny_chat import save_tiny_chat_model
+
+pytestmark = pytest.mark.gpu
+
+BLOCK = 8
+SETTINGS = [("llama", "DFLASH"), ("qwen3_5_text", "DDTREE"), ("qwen3_5_moe_text", "DFLASH_TFM")]
+
+
+@pytest.fixture(scope="module", params=SETTINGS, ids=["-".join(s) for s in SETTINGS])
+def checkpoints(request, tmp_path_factory):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    arch, algorithm = request.param
+    root = tmp_path_factory.mktemp("cuda_spec_batch")
+    path = save_tiny_chat_model(root, arch)
+    cfg = ModelConfig.from_dict(open_checkpoint(path)[1])
+    drafter = write_random_dflash_checkpoint(root / "dflash", cfg, num_layers=1, block_size=BLOCK,
+                                             target_layer_ids=[0, cfg.num_layers - 1])
+    weaver = None
+    if algorithm == "DFLASH_TFM":
+        weaver = root / "weaver.pth"
+        write_random_weaver_checkpoint(weaver, cfg, K=BLOCK - 1, variant=1)
+    return path, SpeculativeConfig(algorithm, drafter, weaver, tree_budget=12)
+
+
+def engine(checkpoints, graphs: bool) -> Engine:
+    path, spec = checkpoints
+    return Engine(path, spec, device="cuda", dtype="float32", max_model_len=MAX_LEN, max_running_requests=SLOTS,
+                  use_cuda_graph=graphs, progress=False)
+
+
+def test_graph_steps_equal_eager_steps_and_solo_outputs(checkpoints) -> None:
+    graphed, eager = engine(checkpoints, True), engine(checkpoints, False)
+    requests = mixed_requests(graphed)
+    got = run_batch(graphed, requests)
+    assert isinstance(graphed.batch, SpeculativeBatch)
+    captured = {key[0] for key in graphed.batch.graphs._graphs}
+    assert captured == {"draft", "tree", "verify", "commit"}, captured
+    assert got == run_batch(eager, requests)  # the same kernels, replayed: identical tokens
+    assert got == {i: solo(graphed, *r) for i, r in enumerate(requests)}
+
+
+def test_sampled_requests_in_graphs_reproduce_their_solo_draws(checkpoints) -> None:
+    assert_sampled_requests_reproduce_their_solo_draws(engine(checkpoints, True))
