@@ -56,7 +56,7 @@ class ServerArgs:
 
     max_running_requests is what the engine decodes together: the flag (default 8) for autoregressive
     decoding; with a speculative algorithm 1 unless the flag asks for more and the tree budget is a number
-    (batched speculative decoding runs a fixed proposal size, eagerly: a lone client is faster at batch 1).
+    (batched speculative decoding runs a fixed proposal size; `auto` adapts per request, at batch 1).
 
     allowed_hosts None accepts any Host header (the default when bound to a non-loopback address); api_key
     None serves without authentication."""
