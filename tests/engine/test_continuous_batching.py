@@ -189,9 +189,6 @@ def test_batch_runner_refuses_what_does_not_fit_its_rows(engine: Engine) -> None
 def test_engine_flags_are_checked() -> None:
     with pytest.raises(ValueError, match="max_running_requests must be >= 1"):
         Engine(device="cpu", dtype="float32", max_model_len=64, max_running_requests=0, progress=False)
-    with pytest.raises(ValueError, match="fixed proposal size"):
-        Engine(speculative=SpeculativeConfig("DFLASH"), device="cpu", dtype="float32", max_model_len=64,
-               max_running_requests=4, progress=False)
 
 
 def test_batch_one_engine_has_no_batch(smollm2: Engine) -> None:

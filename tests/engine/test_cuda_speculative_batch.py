@@ -1,8 +1,10 @@
 """GPU-only: the batched speculative step as CUDA-graph replays (draft, tree, verify and commit graphs per batch
 bucket) gives every request the tokens the same batch gives eagerly, and its solo output; greedy and sampled
 requests (a sampled row's settings are constants of its commit graph), on tiny random llama, hybrid and MoE
-targets with every algorithm."""
+targets with every algorithm; and with the adaptive budget, whose sizes change between graphed steps."""
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 import torch
@@ -59,3 +61,13 @@ def test_graph_steps_equal_eager_steps_and_solo_outputs(checkpoints) -> None:
 
 def test_sampled_requests_in_graphs_reproduce_their_solo_draws(checkpoints) -> None:
     assert_sampled_requests_reproduce_their_solo_draws(engine(checkpoints, True))
+
+
+def test_auto_budget_graph_steps_equal_solo_outputs(checkpoints) -> None:
+    path, spec = checkpoints
+    auto = Engine(path, replace(spec, tree_budget="auto"), device="cuda", dtype="float32", max_model_len=MAX_LEN,
+                  max_running_requests=SLOTS, progress=False)
+    requests = mixed_requests(auto)
+    assert run_batch(auto, requests) == {i: solo(auto, *r) for i, r in enumerate(requests)}
+    sizes = {key[2] for key in auto.batch.graphs._graphs if key[0] == "verify"}
+    assert len(sizes) >= 2, sizes  # the measuring steps alone captured every size of every bucket

@@ -8,10 +8,13 @@ mid-run, sampled requests with their own seeds), so rows sit at different length
 """
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 
 from dflash_tfm import Engine, SamplingParams, SpeculativeConfig
 from dflash_tfm.config import ModelConfig
+from dflash_tfm.engine.budget import BudgetController
 from dflash_tfm.engine.speculative_batch import SpeculativeBatch
 from dflash_tfm.loading.loader import open_checkpoint
 from dflash_tfm.spec.fixtures import write_random_dflash_checkpoint
@@ -86,18 +89,68 @@ def test_a_step_verifies_every_row_in_one_forward_and_accepts_per_row(engine: En
     for seq in seqs:
         stats = seq.stats
         assert stats.completion_tokens == 10 and stats.verify_steps >= 2
-        assert stats.draft_tokens == (stats.verify_steps - 1) * engine.batch.proposer.num_nodes - (stats.verify_steps - 1)
+        assert stats.draft_tokens == (stats.verify_steps - 1) * (max(engine.batch.proposers) + 1) - (stats.verify_steps - 1)
 
 
-def test_auto_budget_is_refused_for_batches() -> None:
-    with pytest.raises(ValueError, match="fixed proposal size"):
-        Engine(speculative=SpeculativeConfig("DDTREE"), device="cpu", dtype="float32", max_model_len=64,
-               max_running_requests=4, progress=False)
+@pytest.fixture(scope="module")
+def adaptive(tmp_path_factory) -> Engine:
+    """A hybrid target with DDTREE at budget 'auto': one adaptive budget per batch bucket."""
+    root = tmp_path_factory.mktemp("spec_batch_auto")
+    path = save_tiny_chat_model(root, "qwen3_5_text")
+    cfg = ModelConfig.from_dict(open_checkpoint(path)[1])
+    drafter = write_random_dflash_checkpoint(root / "dflash", cfg, num_layers=1, block_size=BLOCK,
+                                             target_layer_ids=[0, cfg.num_layers - 1])
+    return Engine(path, SpeculativeConfig("DDTREE", drafter), device="cpu", dtype="float32", max_model_len=MAX_LEN,
+                  max_running_requests=SLOTS, progress=False)
+
+
+def test_auto_budget_measures_every_bucket_and_size(adaptive: Engine) -> None:
+    batch = adaptive.batch
+    assert batch.sizes[0] == 0 and len(batch.sizes) > 2
+    assert sorted(batch.budgets) == [1, 2, 3]  # the batch buckets of 3 slots
+    for budget in batch.budgets.values():
+        assert set(budget.step_seconds) == set(batch.sizes) and all(t > 0 for t in budget.step_seconds.values())
+    assert not batch.running and batch._length.eq(0).all()  # the measuring steps left nothing behind
+
+
+def test_auto_budget_batches_equal_their_solo_outputs_whatever_sizes_they_take(adaptive: Engine) -> None:
+    """Greedy requests through a batch whose budgets change sizes step by step: the solo outputs, and every size's
+    steps counted in the requests' stats."""
+    batch = adaptive.batch
+    requests = mixed_requests(adaptive)
+    expected = {i: solo(adaptive, *r) for i, r in enumerate(requests)}
+    for budget in batch.budgets.values():
+        budget.forget()
+    assert run_batch(adaptive, requests) == expected
+    taken = sum((b.chosen for b in batch.budgets.values()), Counter())
+    assert sum(taken.values()) > 0 and len(taken) >= 2, taken
+
+
+def test_a_dear_batched_verify_shrinks_the_trees_to_plain_decoding(adaptive: Engine) -> None:
+    """Step times where verifying trees for three rows costs 5x a plain batched step: the bucket-3 steps decode
+    plainly once speculation is shown not to pay there, bucket 1 keeps its trees; outputs stay the solo ones."""
+    batch = adaptive.batch
+    cheap = {0: 1.0, **{b: 1.1 for b in batch.sizes[1:]}}
+    dear = {0: 1.0, **{b: 5.0 + b / 8 for b in batch.sizes[1:]}}
+    batch.budgets = {1: BudgetController(batch.sizes, cheap), 2: BudgetController(batch.sizes, cheap),
+                     3: BudgetController(batch.sizes, dear)}
+    params = SamplingParams(temperature=0.0, max_new_tokens=40, ignore_eos=True)
+    prompts = [[5 + i, 9, 11, 13] for i in range(3)]
+    expected = [solo(adaptive, p, params) for p in prompts]
+    seqs = [adaptive.add_request(p, params) for p in prompts]
+    got = {id(s): [] for s in seqs}
+    while adaptive.batch.running:
+        for seq, delta in adaptive.step():
+            got[id(seq)] += delta.token_ids
+    assert [got[id(s)] for s in seqs] == [e[0] for e in expected]
+    chosen = batch.budgets[3].chosen
+    assert chosen[0] > sum(n for b, n in chosen.items() if b) and chosen[0] >= 5, chosen
+    assert not batch.budgets[3].speculating
 
 
 def test_a_batch_without_room_for_a_tree_is_refused(engine: Engine) -> None:
     batch = engine.batch
     with pytest.raises(ValueError, match="max_len \\+ a tree"):
-        SpeculativeBatch(batch.runner, batch.drafter, batch.proposer, max_len=batch.runner.max_len)
+        SpeculativeBatch(batch.runner, batch.drafter, batch.proposers, max_len=batch.runner.max_len)
     with pytest.raises(ValueError, match="prefill_chunk"):
-        SpeculativeBatch(batch.runner, batch.drafter, batch.proposer, max_len=MAX_LEN, prefill_chunk=0)
+        SpeculativeBatch(batch.runner, batch.drafter, batch.proposers, max_len=MAX_LEN, prefill_chunk=0)

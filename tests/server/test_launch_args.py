@@ -64,7 +64,7 @@ def test_admission_bound_flags() -> None:
     assert four.max_running_requests == 4 and four.not_applicable == {}
     spec = parse_server_args(["--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", "/d",
                               "--max-running-requests", "4"])
-    assert spec.max_running_requests == 1 and "--max-running-requests=4" in spec.not_applicable  # budget auto
+    assert spec.max_running_requests == 4 and spec.not_applicable == {}  # budget auto: one per batch bucket
     fixed = parse_server_args(["--speculative-algorithm", "DDTREE", "--speculative-draft-model-path", "/d",
                                "--speculative-tree-budget", "16", "--max-running-requests", "4"])
     assert fixed.max_running_requests == 4 and fixed.not_applicable == {}  # batched speculative decoding

@@ -66,9 +66,9 @@ class Engine:
         load as FP8 either way.
         max_model_len defaults to min(the model's context, 32768) and sizes the static caches.
         max_running_requests > 1 sizes the caches for that many rows and enables continuous batching
-        (`add_request` / `step`): autoregressive (`ContinuousBatch`) or speculative with a fixed tree budget
-        (`SpeculativeBatch`); `stream` then decodes in row 0, so it refuses to run while batched requests hold
-        slots.
+        (`add_request` / `step`): autoregressive (`ContinuousBatch`) or speculative (`SpeculativeBatch`, with
+        `auto` one adaptive budget per batch bucket); `stream` then decodes in row 0, so it refuses to run while
+        batched requests hold slots.
         `self.speculative` is the config as run: checkpoint paths filled in, block_size the drafter's own.
         tp_size > 1 splits the target over that many processes (`parallel/`), each of which builds this Engine
         (started by the command itself or a launcher): the drafter and Weaver are replicated, so every rank builds
@@ -77,12 +77,6 @@ class Engine:
         speculative = (speculative or SpeculativeConfig()).with_checkpoints(DEFAULT_BUNDLE if model_path is None else None)
         if max_running_requests < 1:
             raise ValueError(f"max_running_requests must be >= 1, got {max_running_requests}")
-        if max_running_requests > 1 and speculative.enabled and speculative.adaptive:
-            raise ValueError(
-                f"max_running_requests={max_running_requests} batches speculative decoding at a fixed proposal size, "
-                f"but the tree budget is 'auto' (chosen step by step for one request): give a number, e.g. 16, or "
-                "use max_running_requests=1"
-            )
         self.device = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' requested but CUDA is not available")
@@ -119,9 +113,13 @@ class Engine:
         self.runner = ModelRunner(loaded.model, self.max_model_len, self.device, use_cuda_graph=use_cuda_graph,
                                   cache=shared_cache)
         self.decoder = build_decoder(self.runner, self.config, speculative, drafter_rows=max_running_requests)
-        if spec_batch:  # the batch shares the decoder's drafter (row 0 is the lone request's) and its proposer
-            (proposer,) = self.decoder.proposers.values()
-            self.batch = SpeculativeBatch(batch_runner, self.decoder.drafter, proposer, self.max_model_len)
+        if spec_batch:  # the batch shares the decoder's drafter (row 0 is the lone request's) and its proposers
+            proposers = self.decoder.proposers
+            if not speculative.adaptive:
+                (proposers,) = proposers.values()
+            self.batch = SpeculativeBatch(batch_runner, self.decoder.drafter, proposers, self.max_model_len)
+            if speculative.adaptive:  # each batch bucket's step time at every size, on this machine
+                self.batch.measure_step_times(steps=1 if self.device.type == "cpu" else 3)
         elif max_running_requests > 1:
             self.batch = ContinuousBatch(batch_runner)
         block = getattr(self.decoder, "block", None)

@@ -19,9 +19,16 @@ request owns one row (slot) of the target's cache (`BatchRunner`) and of the dra
    conditions.
 
 Rows of the bucket that hold no request run a throwaway tree at position 0: admission resets the row's state and
-the prefill overwrites what that wrote. The proposal size is fixed (the engine's tree budget); the caches carry
-`TREE_SLACK` positions beyond the context so a request can decode to the last position of its context with a
-whole tree.
+the prefill overwrites what that wrote. The caches carry `TREE_SLACK` positions beyond the context so a request
+can decode to the last position of its context with a whole tree.
+
+The proposal size is the engine's fixed tree budget, or with ``auto`` chosen before every step for the whole
+batch (one verify shape) by the adaptive budget of the step's batch bucket (`engine.budget`, one
+`BudgetController` per bucket): its step times T(b) are measured per bucket (`measure_step_times`), so as the
+batch grows and verifying B trees gets dearer than one plain batched decode step, it takes smaller trees and at
+worst size 0, a plain decode step of every row (a tree of the root alone); its acceptance estimate is the mean
+over the step's requests of their drafts' estimates, and it learns from their mean accepted drafts. Sizes change
+between steps only, so every row's acceptance stays lossless.
 
 On CUDA steps 2–5 are four CUDA graphs (`PhaseGraphs`), as in the one-request decoder: draft per (batch bucket,
 drafter key-length bucket), tree and verify per batch bucket, commit per batch bucket and the sampling settings of
@@ -36,6 +43,7 @@ import time
 import torch
 
 from dflash_tfm.engine.batch_runner import BatchRunner, batch_bucket
+from dflash_tfm.engine.budget import BudgetController
 from dflash_tfm.engine.batch_slots import BatchSlots
 from dflash_tfm.engine.model_runner import key_length_bucket, prefill_in_chunks
 from dflash_tfm.engine.phase_graphs import PhaseGraphs
@@ -44,6 +52,7 @@ from dflash_tfm.engine.speculative import Proposer
 from dflash_tfm.layers.linear import skinny_projections
 from dflash_tfm.sampling import sample
 from dflash_tfm.sampling_params import SamplingParams
+from dflash_tfm.spec.acceptance_estimate import expected_accepted_by_size
 from dflash_tfm.spec.accept import accept_tree, target_draws
 from dflash_tfm.tree import TreeSpec
 
@@ -51,18 +60,24 @@ TREE_SLACK = 64  # cache positions past the context: the deepest tree a drafter 
 
 
 class SpeculativeBatch(BatchSlots):
-    def __init__(self, runner: BatchRunner, drafter, proposer: Proposer, max_len: int,
+    def __init__(self, runner: BatchRunner, drafter, proposer: Proposer | dict[int, Proposer], max_len: int,
                  prefill_chunk: int = 2048) -> None:
         """runner: the target's rows (`max_len` + `TREE_SLACK` positions each); drafter: its context caches with
-        at least `runner.slots` rows; proposer: the tree every row builds; max_len: the context a request may
-        fill (`Sequence.budget` keeps it there)."""
+        at least `runner.slots` rows; proposer: the tree every row builds, or one per candidate size > 0 for an
+        adaptive budget (sizes then include 0; `measure_step_times` sets it up); max_len: the context a request
+        may fill (`Sequence.budget` keeps it there)."""
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
         if runner.max_len < max_len + drafter.config.block_size or drafter.batch < runner.slots:
             raise ValueError(f"the batch needs {runner.slots} drafter rows and target rows of >= "
                              f"{max_len + drafter.config.block_size} positions (max_len + a tree)")
         super().__init__(runner)
-        self.drafter, self.proposer = drafter, proposer
+        adaptive = isinstance(proposer, dict)
+        self.drafter = drafter
+        self.proposers = proposer if adaptive else {proposer.num_nodes - 1: proposer}
+        self.sizes = [0] * adaptive + sorted(self.proposers)
+        self._estimate_sizes = [(self.proposers[b].kind if b else "chain", b) for b in self.sizes]
+        self.budgets: dict[int, BudgetController] | None = None  # per batch bucket (`measure_step_times`)
         self.prefill_chunk = prefill_chunk
         self.model = runner.model
         self.tap_layers = tuple(drafter.config.target_layer_ids)
@@ -72,13 +87,15 @@ class SpeculativeBatch(BatchSlots):
         self._root = torch.zeros(slots, dtype=torch.long, device=device)
         self._h_last = torch.zeros(slots, self.model.config.hidden_size, dtype=self.model.embed_tokens.dtype,
                                    device=device)
-        self._uniforms = torch.zeros(slots, proposer.num_nodes, device=device)
-        self.graphs = PhaseGraphs(runner.graphs.enabled, per_phase=8 * (slots.bit_length() + 1))
-        # Per batch bucket, what one phase hands the next (see the module docstring)
+        self._uniforms = torch.zeros(slots, max(p.num_nodes for p in self.proposers.values()), device=device)
+        self.graphs = PhaseGraphs(runner.graphs.enabled,
+                                  per_phase=8 * (slots.bit_length() + 1) * len(self.sizes))
+        # What one phase hands the next (see the module docstring), per batch bucket or per (bucket, size)
         self._drafted: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._trees: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor, TreeSpec]] = {}
-        self._verified: dict[int, tuple] = {}
-        self._produced: dict[int, torch.Tensor] = {}
+        self._estimates: dict[int, torch.Tensor] = {}  # [bucket, len(sizes)]: each row's E(b)
+        self._trees: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor, TreeSpec]] = {}
+        self._verified: dict[tuple[int, int], tuple] = {}
+        self._produced: dict[tuple[int, int], torch.Tensor] = {}
 
     def _release(self, seq: Sequence) -> None:
         super()._release(seq)
@@ -101,10 +118,10 @@ class SpeculativeBatch(BatchSlots):
             return out
         bucket = batch_bucket(max(rows) + 1, self.runner.slots)
         with skinny_projections():  # a bucket's row counts are fixed: projections may take their tuned kernels
-            emitted = self._speculate(bucket, rows)
+            emitted, size = self._speculate(bucket, rows)
         for slot, seq in rows.items():
             tokens = emitted[slot]
-            seq.stats.count_step(self.proposer.num_nodes - 1, len(tokens))
+            seq.stats.count_step(size, len(tokens))
             for token in tokens:
                 out.append((seq, seq.push(token)))
                 if seq.finished:
@@ -130,27 +147,87 @@ class SpeculativeBatch(BatchSlots):
         seq.decode_started = time.perf_counter()
         return seq.push(int(token[0]))
 
-    def _speculate(self, bucket: int, rows: dict[int, Sequence]) -> dict[int, list[int]]:
-        """Draft -> trees -> one verify -> per-row acceptance -> one commit over rows 0 .. bucket - 1; the tokens
-        each decoding row produced (its accepted drafts, then the bonus token)."""
-        longest = max(seq.length for seq in rows.values())
+    def _speculate(self, bucket: int, rows: dict[int, Sequence],
+                   forced_size: int | None = None) -> tuple[dict[int, list[int]], int]:
+        """Draft -> trees -> one verify -> per-row acceptance -> one commit over rows 0 .. bucket - 1 -> the tokens
+        each row of `rows` produced (its accepted drafts, then the bonus token) and the size the step took."""
+        start = time.perf_counter()
+        longest = max((seq.length for seq in rows.values()), default=0)
         draft_len = key_length_bucket(longest + self.max_depth, self.runner.max_len)
+        budget = self.budgets[bucket] if self.budgets is not None and forced_size is None else None
+        drafting = forced_size != 0 and (budget is None or budget.wants_draft())
+        if drafting:
+            self.graphs.run(("draft", bucket, draft_len), lambda: self._draft(bucket, draft_len))
+        size, predicted = forced_size if forced_size is not None else self.sizes[-1], 0.0
+        if budget is not None:
+            estimate = self._mean_estimate(bucket, rows) if drafting else None
+            size = budget.choose(estimate)
+            predicted = estimate[self.sizes.index(size)] if estimate is not None else 0.0
         params = [rows[r].params if r in rows else None for r in range(bucket)]
         for r, seq in rows.items():
             if not seq.params.greedy:
                 self._uniforms[r].uniform_(generator=seq.generator)
         sampling = tuple("greedy" if p is None or p.greedy else (p.temperature, p.top_k, p.top_p) for p in params)
-        self.graphs.run(("draft", bucket, draft_len), lambda: self._draft(bucket, draft_len))
-        self.graphs.run(("tree", bucket), lambda: self._tree(bucket))
-        self.graphs.run(("verify", bucket), lambda: self._verify(bucket))
-        self.graphs.run(("commit", bucket, sampling), lambda: self._commit(bucket, params), advances_state=True)
-        produced_host = self._produced[bucket].tolist()  # the one host read of the step
+        self.graphs.run(("tree", bucket, size), lambda: self._tree(bucket, size))
+        self.graphs.run(("verify", bucket, size), lambda: self._verify(bucket, size))
+        self.graphs.run(("commit", bucket, size, sampling), lambda: self._commit(bucket, size, params),
+                        advances_state=True)
+        produced_host = self._produced[(bucket, size)].tolist()  # the one host read of the step
         emitted = {}
         for slot, seq in rows.items():
             row = produced_host[slot]
             emitted[slot] = row[: row.index(-1)] if -1 in row else row
             seq.length += len(emitted[slot])
-        return emitted
+        if budget is not None and rows:
+            accepted = sum(len(tokens) - 1 for tokens in emitted.values()) / len(rows)
+            budget.observe(size, predicted, accepted)
+            # T(b) counts a draft for b > 0 and none for a decode step: a drafted decode step pays one more
+            budget.observe_seconds(size, time.perf_counter() - start - (budget.draft_seconds if drafting and
+                                                                          not size else 0.0))
+        return emitted, size
+
+    def _mean_estimate(self, bucket: int, rows: dict[int, Sequence]) -> list[float]:
+        """The requests' mean E(b) of every size from their drafts (one host read)."""
+        per_row = self._estimates[bucket][sorted(rows)]
+        return per_row.mean(dim=0).tolist()
+
+    @torch.inference_mode()
+    def measure_step_times(self, warmup: int = 1, steps: int = 3) -> dict[int, dict[int, float]]:
+        """Seconds per step at every candidate size for every batch bucket (graphs captured and warmed first), on
+        the rows as they are (no request may be running: the steps write throwaway trees at position 0); from
+        then on each bucket's adaptive budget decides with its bucket's times. -> {bucket: {size: seconds}}."""
+        if self.running:
+            raise RuntimeError("step times are measured before any request joins the batch")
+        if len(self.sizes) < 2:
+            raise ValueError("a fixed proposal size has nothing to choose between")
+        cuda = self.runner.device.type == "cuda"
+        times: dict[int, dict[int, float]] = {}
+        drafts: dict[int, float] = {}
+        buckets = sorted({batch_bucket(n, self.runner.slots) for n in range(1, self.runner.slots + 1)})
+        with skinny_projections():
+            for bucket in buckets:
+                times[bucket] = {}
+                for size in self.sizes:
+                    fastest = float("inf")
+                    for i in range(warmup + steps):
+                        if cuda:
+                            torch.cuda.synchronize()
+                        t0 = time.perf_counter()
+                        self._speculate(bucket, {}, forced_size=size)
+                        if cuda:
+                            torch.cuda.synchronize()
+                        if i >= warmup:
+                            fastest = min(fastest, time.perf_counter() - t0)
+                    times[bucket][size] = fastest
+                draft_len = key_length_bucket(self.max_depth, self.runner.max_len)
+                t0 = time.perf_counter()
+                self.graphs.run(("draft", bucket, draft_len), lambda: self._draft(bucket, draft_len))
+                if cuda:
+                    torch.cuda.synchronize()
+                drafts[bucket] = time.perf_counter() - t0
+        self._length.zero_()  # the throwaway trees advanced the rows
+        self.budgets = {b: BudgetController(self.sizes, times[b], draft_seconds=drafts[b]) for b in buckets}
+        return times
 
     # ---- phases: per-bucket device buffers in, per-bucket device buffers out ----------------------------
     def _draft(self, bucket: int, draft_len: int) -> None:
@@ -159,26 +236,35 @@ class SpeculativeBatch(BatchSlots):
             self._drafted[bucket] = (torch.empty_like(logits), torch.empty_like(hidden))
         self._drafted[bucket][0].copy_(logits)
         self._drafted[bucket][1].copy_(hidden)
+        if len(self.sizes) > 1:
+            self._estimates[bucket] = torch.stack(
+                [expected_accepted_by_size(logits[r], self._estimate_sizes) for r in range(bucket)])
 
-    def _tree(self, bucket: int) -> None:
-        logits, hidden = self._drafted[bucket]
-        built = [self.proposer.build(self._root[r : r + 1], logits[r], hidden[r], self._h_last[r])
-                 for r in range(bucket)]
-        tokens, parents, depths = (torch.stack(parts) for parts in zip(*built))
-        self._trees[bucket] = (tokens, parents, depths, TreeSpec.build(tokens, parents, cache_len=self._length[:bucket]))
+    def _tree(self, bucket: int, size: int) -> None:
+        if size == 0:  # a plain decode step: every row's tree is its root
+            tokens = self._root[:bucket, None].clone()
+            parents = torch.full_like(tokens, -1)
+            depths = torch.zeros_like(tokens)
+        else:
+            logits, hidden = self._drafted[bucket]
+            build = self.proposers[size].build
+            built = [build(self._root[r : r + 1], logits[r], hidden[r], self._h_last[r]) for r in range(bucket)]
+            tokens, parents, depths = (torch.stack(parts) for parts in zip(*built))
+        tree = TreeSpec.build(tokens, parents, cache_len=self._length[:bucket])
+        self._trees[(bucket, size)] = (tokens, parents, depths, tree)
 
-    def _verify(self, bucket: int) -> None:
-        tree = self._trees[bucket][3]
+    def _verify(self, bucket: int, size: int) -> None:
+        tree = self._trees[(bucket, size)][3]
         out, taps, saved = self.model.verify(tree, self.runner.cache.rows(0, bucket), self._length[:bucket],
                                              self.tap_layers)
-        self._verified[bucket] = (out, taps, saved, self.model.logits(out))
+        self._verified[(bucket, size)] = (out, taps, saved, self.model.logits(out))
 
-    def _commit(self, bucket: int, params: list[SamplingParams | None]) -> None:
+    def _commit(self, bucket: int, size: int, params: list[SamplingParams | None]) -> None:
         """Accept every row along its target draws (argmax for greedy rows and rows without a request), commit
         the paths to the target and drafter caches, advance length / root / h_last, and write each row's
         produced tokens (-1 padded)."""
-        tokens, parents, depths, tree = self._trees[bucket]
-        out, taps, saved, target_logits = self._verified[bucket]
+        tokens, parents, depths, tree = self._trees[(bucket, size)]
+        out, taps, saved, target_logits = self._verified[(bucket, size)]
         lengths = self._length[:bucket]
         draws = target_logits.argmax(-1)
         for r, p in enumerate(params):
@@ -190,9 +276,9 @@ class SpeculativeBatch(BatchSlots):
         on_path = acc.path_or_last()[:, :, None].expand(-1, -1, feats.shape[-1])
         self.drafter.append_context(feats.gather(1, on_path), lengths)
         produced = acc.emitted(tokens)
-        if bucket not in self._produced:
-            self._produced[bucket] = torch.empty_like(produced)
-        self._produced[bucket].copy_(produced)
+        if (bucket, size) not in self._produced:
+            self._produced[(bucket, size)] = torch.empty_like(produced)
+        self._produced[(bucket, size)].copy_(produced)
         self._h_last[:bucket] = out[torch.arange(bucket, device=out.device), acc.last]
         self._root[:bucket] = acc.bonus
         self._length[:bucket] += (acc.path >= 0).sum(-1)

@@ -55,8 +55,8 @@ class ServerArgs:
     """Validated launch settings: what builds the Engine, then the server's own settings.
 
     max_running_requests is what the engine decodes together: the flag (default 8) for autoregressive
-    decoding; with a speculative algorithm 1 unless the flag asks for more and the tree budget is a number
-    (batched speculative decoding runs a fixed proposal size; `auto` adapts per request, at batch 1).
+    decoding; with a speculative algorithm 1 unless the flag asks for more (a lone request then keeps the
+    batch-1 decoder's draft-ahead steps; with the flag, its batch's adaptive budget chooses one size per step).
 
     allowed_hosts None accepts any Host header (the default when bound to a non-loopback address); api_key
     None serves without authentication."""
@@ -176,13 +176,8 @@ def server_args_from_namespace(ns: argparse.Namespace, environ: dict[str, str] |
         for dest, why in NOT_APPLICABLE.items() if getattr(ns, dest) not in (None, False)
     }
     running = DEFAULT_MAX_RUNNING if ns.max_running_requests is None else ns.max_running_requests
-    if spec.enabled and (ns.max_running_requests is None or spec.adaptive):
+    if spec.enabled and ns.max_running_requests is None:
         running = 1
-        if ns.max_running_requests is not None and ns.max_running_requests > 1:
-            not_applicable[f"--max-running-requests={ns.max_running_requests}"] = (
-                f"{spec.algorithm} with the tree budget 'auto' decodes 1 request at a time (others wait in a FIFO "
-                "queue); give the tree budget a number to batch speculative decoding"
-            )
     not_applicable.update(unused_speculative_flags(ns, spec))
     if ns.max_queued_requests is not None:
         admitted = ns.max_queued_requests
