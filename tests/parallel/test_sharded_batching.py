@@ -2,7 +2,10 @@
 follows (`Engine.follow`), applying the same admissions and aborts before each step. Every request's tokens
 equal the tp 1 engine's: greedy and seeded-sampled requests, one joining mid-run, one aborted mid-run, and a
 sampled request without a seed, which rank 0 seeds so that both ranks draw alike. Autoregressive and
-speculative (DDTREE at a fixed budget, a random drafter replicated on both ranks) batches."""
+speculative (DDTREE, a random drafter replicated on both ranks) batches, at a fixed budget and at 'auto', whose
+per-bucket budgets must choose the same size on both ranks (rank 0's measured step times) or their collectives
+would not meet; there the greedy requests are compared (sizes may differ from the tp 1 engine's, which moves
+which uniform a sampled draw takes)."""
 from __future__ import annotations
 
 import pytest
@@ -55,21 +58,44 @@ def batched(rank: int, tp: int, path: str, spec: SpeculativeConfig | None) -> di
         engine.release_followers()
 
 
-@pytest.mark.parametrize("speculative", [False, True], ids=["autoregressive", "DDTREE"])
-def test_tp2_batched_requests_equal_tp1(tmp_path, speculative: bool) -> None:
+@pytest.mark.parametrize("budget", [None, 12, "auto"], ids=["autoregressive", "DDTREE", "DDTREE-auto"])
+def test_tp2_batched_requests_equal_tp1(tmp_path, budget: int | str | None) -> None:
     path = save_tiny_chat_model(tmp_path)
     spec = None
-    if speculative:
+    if budget is not None:
         cfg = ModelConfig.from_dict(open_checkpoint(path)[1])
         drafter = write_random_dflash_checkpoint(tmp_path / "dflash", cfg, num_layers=1, block_size=8,
                                                  target_layer_ids=[0, cfg.num_layers - 1])
-        spec = SpeculativeConfig("DDTREE", drafter, tree_budget=12)
+        spec = SpeculativeConfig("DDTREE", drafter, tree_budget=budget)
+    speculative = spec is not None
     single = script(Engine(str(path), spec, device="cpu", dtype="float32", max_model_len=128, progress=False,
                            max_running_requests=4))
     split = run_ranks(2, batched, str(path), spec)
     assert split[1] is None
-    for name in "acd":
+    for name in "ac" if budget == "auto" else "acd":
         assert split[0][name] == single[name] and single[name], name
     assert len(single["a"]) == 12 and len(single["c"]) == 10
     if not speculative:  # aborted after 5 steps (of one token each); b's seed differs between runs
         assert len(split[0]["b"]) == 5 == len(single["b"])
+
+
+def measured_times(rank: int, tp: int, path: str, spec: SpeculativeConfig) -> dict:
+    engine = Engine(path, spec, device="cpu", dtype="float32", max_model_len=128, progress=False, tp_size=tp,
+                    max_running_requests=4)
+    times = {bucket: dict(budget.measured_seconds) for bucket, budget in engine.batch.budgets.items()}
+    if rank:
+        engine.follow()
+    else:
+        engine.release_followers()
+    return times
+
+
+def test_tp2_batch_budgets_decide_with_rank_0s_step_times(tmp_path) -> None:
+    """Each rank times the steps itself (never to the same nanosecond), so only rank 0's times, sent to the
+    others, make their budgets choose alike."""
+    path = save_tiny_chat_model(tmp_path)
+    cfg = ModelConfig.from_dict(open_checkpoint(path)[1])
+    drafter = write_random_dflash_checkpoint(tmp_path / "dflash", cfg, num_layers=1, block_size=8,
+                                             target_layer_ids=[0, cfg.num_layers - 1])
+    times = run_ranks(2, measured_times, str(path), SpeculativeConfig("DDTREE", drafter, tree_budget="auto"))
+    assert times[0] == times[1] and sorted(times[0]) == [1, 2, 4]

@@ -50,6 +50,7 @@ from dflash_tfm.engine.phase_graphs import PhaseGraphs
 from dflash_tfm.engine.sequence import Sequence, StreamDelta
 from dflash_tfm.engine.speculative import Proposer
 from dflash_tfm.layers.linear import skinny_projections
+from dflash_tfm.parallel.group import broadcast_object, tp_size
 from dflash_tfm.sampling import sample
 from dflash_tfm.sampling_params import SamplingParams
 from dflash_tfm.spec.acceptance_estimate import expected_accepted_by_size
@@ -181,9 +182,10 @@ class SpeculativeBatch(BatchSlots):
         if budget is not None and rows:
             accepted = sum(len(tokens) - 1 for tokens in emitted.values()) / len(rows)
             budget.observe(size, predicted, accepted)
-            # T(b) counts a draft for b > 0 and none for a decode step: a drafted decode step pays one more
-            budget.observe_seconds(size, time.perf_counter() - start - (budget.draft_seconds if drafting and
-                                                                          not size else 0.0))
+            if tp_size() == 1:  # tensor-parallel ranks keep rank 0's start-up times: their choices must agree
+                # T(b) counts a draft for b > 0 and none for a decode step: a drafted decode step pays one more
+                extra = budget.draft_seconds if drafting and not size else 0.0
+                budget.observe_seconds(size, time.perf_counter() - start - extra)
         return emitted, size
 
     def _mean_estimate(self, bucket: int, rows: dict[int, Sequence]) -> list[float]:
@@ -226,6 +228,8 @@ class SpeculativeBatch(BatchSlots):
                     torch.cuda.synchronize()
                 drafts[bucket] = time.perf_counter() - t0
         self._length.zero_()  # the throwaway trees advanced the rows
+        # Tensor-parallel ranks decide with rank 0's times, so they choose the same sizes and their collectives meet.
+        times, drafts = broadcast_object((times, drafts))
         self.budgets = {b: BudgetController(self.sizes, times[b], draft_seconds=drafts[b]) for b in buckets}
         return times
 
