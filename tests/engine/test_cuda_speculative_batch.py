@@ -9,19 +9,14 @@ from dataclasses import replace
 import pytest
 import torch
 
-from dflash_tfm import Engine, SpeculativeConfig
-from dflash_tfm.config import ModelConfig
+from dflash_tfm import Engine
 from dflash_tfm.engine.speculative_batch import SpeculativeBatch
-from dflash_tfm.loading.loader import open_checkpoint
-from dflash_tfm.spec.fixtures import write_random_dflash_checkpoint
-from dflash_tfm.spec.weaver_fixtures import write_random_weaver_checkpoint
 from tests.engine.test_continuous_batching import (MAX_LEN, SLOTS, assert_sampled_requests_reproduce_their_solo_draws,
                                                    mixed_requests, run_batch, solo)
-from tests.train.tiny_chat import save_tiny_chat_model
+from tests.engine.test_speculative_batch import tiny_speculative_setup
 
 pytestmark = pytest.mark.gpu
 
-BLOCK = 8
 SETTINGS = [("llama", "DFLASH"), ("qwen3_5_text", "DDTREE"), ("qwen3_5_moe_text", "DFLASH_TFM")]
 
 
@@ -29,17 +24,7 @@ SETTINGS = [("llama", "DFLASH"), ("qwen3_5_text", "DDTREE"), ("qwen3_5_moe_text"
 def checkpoints(request, tmp_path_factory):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    arch, algorithm = request.param
-    root = tmp_path_factory.mktemp("cuda_spec_batch")
-    path = save_tiny_chat_model(root, arch)
-    cfg = ModelConfig.from_dict(open_checkpoint(path)[1])
-    drafter = write_random_dflash_checkpoint(root / "dflash", cfg, num_layers=1, block_size=BLOCK,
-                                             target_layer_ids=[0, cfg.num_layers - 1])
-    weaver = None
-    if algorithm == "DFLASH_TFM":
-        weaver = root / "weaver.pth"
-        write_random_weaver_checkpoint(weaver, cfg, K=BLOCK - 1, variant=1)
-    return path, SpeculativeConfig(algorithm, drafter, weaver, tree_budget=12)
+    return tiny_speculative_setup(tmp_path_factory.mktemp("cuda_spec_batch"), *request.param)
 
 
 def engine(checkpoints, graphs: bool) -> Engine:

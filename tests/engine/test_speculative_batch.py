@@ -9,6 +9,7 @@ mid-run, sampled requests with their own seeds), so rows sit at different length
 from __future__ import annotations
 
 from collections import Counter
+from pathlib import Path
 
 import pytest
 
@@ -28,10 +29,9 @@ BLOCK = 8
 SETTINGS = [("llama", "DFLASH"), ("qwen3_5_text", "DDTREE"), ("qwen3_5_moe_text", "DFLASH_TFM"), ("llama", "DFLASH_TFM")]
 
 
-@pytest.fixture(scope="module", params=SETTINGS, ids=["-".join(s) for s in SETTINGS])
-def engine(request, tmp_path_factory) -> Engine:
-    arch, algorithm = request.param
-    root = tmp_path_factory.mktemp("spec_batch")
+def tiny_speculative_setup(root: Path, arch: str, algorithm: str,
+                           tree_budget: int | str = 12) -> tuple[Path, SpeculativeConfig]:
+    """A tiny random `arch` chat model under ``root`` and a random drafter (and Weaver) for `algorithm`."""
     path = save_tiny_chat_model(root, arch)
     cfg = ModelConfig.from_dict(open_checkpoint(path)[1])
     drafter = write_random_dflash_checkpoint(root / "dflash", cfg, num_layers=1, block_size=BLOCK,
@@ -40,7 +40,12 @@ def engine(request, tmp_path_factory) -> Engine:
     if algorithm == "DFLASH_TFM":
         weaver = root / "weaver.pth"
         write_random_weaver_checkpoint(weaver, cfg, K=BLOCK - 1, variant=1)
-    spec = SpeculativeConfig(algorithm, drafter, weaver, tree_budget=12)
+    return path, SpeculativeConfig(algorithm, drafter, weaver, tree_budget=tree_budget)
+
+
+@pytest.fixture(scope="module", params=SETTINGS, ids=["-".join(s) for s in SETTINGS])
+def engine(request, tmp_path_factory) -> Engine:
+    path, spec = tiny_speculative_setup(tmp_path_factory.mktemp("spec_batch"), *request.param)
     return Engine(path, spec, device="cpu", dtype="float32", max_model_len=MAX_LEN, max_running_requests=SLOTS,
                   progress=False)
 
@@ -95,13 +100,9 @@ def test_a_step_verifies_every_row_in_one_forward_and_accepts_per_row(engine: En
 @pytest.fixture(scope="module")
 def adaptive(tmp_path_factory) -> Engine:
     """A hybrid target with DDTREE at budget 'auto': one adaptive budget per batch bucket."""
-    root = tmp_path_factory.mktemp("spec_batch_auto")
-    path = save_tiny_chat_model(root, "qwen3_5_text")
-    cfg = ModelConfig.from_dict(open_checkpoint(path)[1])
-    drafter = write_random_dflash_checkpoint(root / "dflash", cfg, num_layers=1, block_size=BLOCK,
-                                             target_layer_ids=[0, cfg.num_layers - 1])
-    return Engine(path, SpeculativeConfig("DDTREE", drafter), device="cpu", dtype="float32", max_model_len=MAX_LEN,
-                  max_running_requests=SLOTS, progress=False)
+    path, spec = tiny_speculative_setup(tmp_path_factory.mktemp("spec_batch_auto"), "qwen3_5_text", "DDTREE", "auto")
+    return Engine(path, spec, device="cpu", dtype="float32", max_model_len=MAX_LEN, max_running_requests=SLOTS,
+                  progress=False)
 
 
 def test_auto_budget_measures_every_bucket_and_size(adaptive: Engine) -> None:
