@@ -149,6 +149,37 @@ def test_a_dear_batched_verify_shrinks_the_trees_to_plain_decoding(adaptive: Eng
     assert not batch.budgets[3].speculating
 
 
+def test_prompts_are_fed_a_chunk_per_step_while_the_others_decode(engine: Engine) -> None:
+    """With 4-token prompt chunks a 30-token prompt takes 8 steps, in each of which the running request produces
+    tokens (the newcomer's row, inside the step's bucket, accepts nothing meanwhile); every output is the solo
+    one, for the mixed requests too."""
+    original = engine.batch
+    (proposer,) = original.proposers.values()
+    engine.batch = SpeculativeBatch(original.runner, original.drafter, proposer, MAX_LEN, prefill_chunk=4)
+    try:
+        requests = mixed_requests(engine)
+        assert run_batch(engine, requests) == {i: solo(engine, *r) for i, r in enumerate(requests)}
+        first = SamplingParams(temperature=0.0, max_new_tokens=40, ignore_eos=True)
+        second = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)
+        long_prompt = list(range(20, 50))
+        a = engine.add_request([5, 6, 7], first)
+        tokens = {id(a): [t for _, delta in engine.step() for t in delta.token_ids]}  # a's prompt and first tree
+        b = engine.add_request(long_prompt, second)
+        tokens[id(b)] = []
+        a_steps_before_b = 0  # steps that produced tokens for a while b's prompt was still going in
+        while engine.batch.running:
+            deltas = engine.step()
+            for seq, delta in deltas:
+                tokens[id(seq)] += delta.token_ids
+            if not tokens[id(b)] and any(seq is a and delta.token_ids for seq, delta in deltas):
+                a_steps_before_b += 1
+        assert a_steps_before_b == 7  # b's first 7 chunks; its 8th step also draws its first token
+        assert tokens[id(a)] == solo(engine, [5, 6, 7], first)[0]
+        assert tokens[id(b)] == solo(engine, long_prompt, second)[0]
+    finally:
+        engine.batch = original
+
+
 def test_a_batch_without_room_for_a_tree_is_refused(engine: Engine) -> None:
     batch = engine.batch
     with pytest.raises(ValueError, match="max_len \\+ a tree"):

@@ -291,6 +291,21 @@ def test_triton_commit_in_place_equals_a_new_state(kernel: str, triton_device: s
 
 
 @pytest.mark.parametrize("kernel", ["chunk", "recurrent"])
+def test_commit_of_a_row_that_accepted_nothing_keeps_its_state(kernel: str, triton_device: str) -> None:
+    """A batch row still in its prompt commits nothing, not even its root: its state comes back unchanged while
+    the other row folds its path (the twin's rule, `gdn_tree_commit_reference`)."""
+    parents = trees(2, 20, "best_first").to(triton_device)
+    x = make_inputs(2, 20, 1, 3, 16, 16, seed=7, device=triton_device)
+    _, ctx = gdn_tree_verify(**x, parents=parents, kernel=kernel)
+    acc = accepted_mask(parents.cpu(), [19, 0]).to(triton_device)
+    acc[1] = False
+    state = gdn_tree_commit(ctx, acc)
+    assert torch.equal(state[1], ctx.initial_state[1].float())
+    assert not torch.equal(state[0], ctx.initial_state[0].float())
+    assert rel_err(state, gdn_tree_commit_reference(ctx, acc)) <= 1e-5
+
+
+@pytest.mark.parametrize("kernel", ["chunk", "recurrent"])
 def test_commit_with_fewer_paths_than_rows_repeats_them(kernel: str, triton_device: str) -> None:
     """accepted with P rows for a batch of 2P (two layers stacked along the batch, as the model's commit does):
     row b folds path b % P, the same states as repeating the paths."""

@@ -5,22 +5,23 @@ than verifying one, so a server with speculative decoding should not make its cl
 request owns one row (slot) of the target's cache (`BatchRunner`) and of the drafter's context cache
 (`DFlashDrafter.allocate(..., batch=slots)`). A `step`:
 
-1. prefills the prompt of at most one newcomer, whole (in chunks of `prefill_chunk`), into its rows, and draws
-   its first token: the trees of the running rows share the target's forward, and a row still in its prompt
-   could not sit out that forward's commit, so a newcomer joins only once its prompt is in;
+1. feeds one chunk (`prefill_chunk` tokens) of the oldest newcomer's prompt into its rows, and once its prompt
+   is all in draws its first token, so a long prompt holds the running requests up for one chunk per step;
 2. drafts every row of the step's batch bucket in one drafter pass, each row at its own length;
 3. builds one tree per row with the proposer (row by row: the builders are batch-1);
 4. verifies all trees in ONE target forward (tree attention and the Gated-DeltaNet tree kernels take a batch
    with one committed length per row);
 5. accepts each row along its own target draws, with its request's own sampling settings and generator (the
    uniforms are drawn from it in the same order as when the request decodes alone, so a request's tokens do not
-   depend on which others share its steps), and commits every row's path in one call;
+   depend on which others share its steps), and commits every decoding row's path in one call; a row that is not
+   decoding (still in its prompt, or holding no request) accepts nothing, not even its root
+   (`Acceptance.only`), so the commit leaves its Gated-DeltaNet state, conv window and length as they were, and
+   what its throwaway tree wrote past its length is overwritten by its next prompt chunk;
 6. reads the produced tokens of every row at once (one host read) and pushes them through each request's stop
    conditions.
 
-Rows of the bucket that hold no request run a throwaway tree at position 0: admission resets the row's state and
-the prefill overwrites what that wrote. The caches carry `TREE_SLACK` positions beyond the context so a request
-can decode to the last position of its context with a whole tree.
+Rows of the bucket that hold no request run a throwaway tree too. The caches carry `TREE_SLACK` positions beyond
+the context so a request can decode to the last position of its context with a whole tree.
 
 The proposal size is the engine's fixed tree budget, or with ``auto`` chosen before every step for the whole
 batch (one verify shape) by the adaptive budget of the step's batch bucket (`engine.budget`, one
@@ -89,6 +90,8 @@ class SpeculativeBatch(BatchSlots):
         self._h_last = torch.zeros(slots, self.model.config.hidden_size, dtype=self.model.embed_tokens.dtype,
                                    device=device)
         self._uniforms = torch.zeros(slots, max(p.num_nodes for p in self.proposers.values()), device=device)
+        self._decoding = torch.zeros(slots, dtype=torch.bool, device=device)  # rows whose trees are committed
+        self._decoding_host: list[bool] = [False] * slots
         self.graphs = PhaseGraphs(runner.graphs.enabled,
                                   per_phase=8 * (slots.bit_length() + 1) * len(self.sizes))
         # What one phase hands the next (see the module docstring), per batch bucket or per (bucket, size)
@@ -109,14 +112,20 @@ class SpeculativeBatch(BatchSlots):
         as (request, delta); a request's last delta has its finish reason."""
         out: list[tuple[Sequence, StreamDelta]] = []
         if self._to_prefill:
-            seq = self._to_prefill.popleft()
-            delta = self._prefill(seq)
-            out.append((seq, delta))
-            if seq.finished:
-                self._release(seq)
+            seq = self._to_prefill[0]
+            delta = self._prefill_chunk(seq)
+            if delta is not None:
+                self._to_prefill.popleft()
+                out.append((seq, delta))
+                if seq.finished:
+                    self._release(seq)
         rows = {s.slot: s for s in self._slots if s is not None and s not in self._to_prefill}
         if not rows:
             return out
+        decoding = [slot in rows for slot in range(self.runner.slots)]
+        if decoding != self._decoding_host:  # the graphs read the device copy
+            self._decoding.copy_(torch.tensor(decoding))
+            self._decoding_host = decoding
         bucket = batch_bucket(max(rows) + 1, self.runner.slots)
         with skinny_projections():  # a bucket's row counts are fixed: projections may take their tuned kernels
             emitted, size = self._speculate(bucket, rows)
@@ -130,20 +139,25 @@ class SpeculativeBatch(BatchSlots):
                     break
         return out
 
-    def _prefill(self, seq: Sequence) -> StreamDelta:
-        """The whole prompt into `seq`'s rows (target and drafter context), then its first token."""
+    def _prefill_chunk(self, seq: Sequence) -> StreamDelta | None:
+        """The next chunk of `seq`'s prompt into its rows (target and drafter context); once the prompt is all in,
+        its first token (else None)."""
         start = time.perf_counter()
         slot, prompt = seq.slot, seq.prompt_ids
+        begin = seq.length
+        end = min(len(prompt), begin + self.prefill_chunk)
         last = prefill_in_chunks(
-            self.model, torch.tensor(prompt, dtype=torch.long, device=self.runner.device), self.runner.cache.row(slot),
-            0, self.prefill_chunk, self.tap_layers,
+            self.model, torch.tensor(prompt[begin:end], dtype=torch.long, device=self.runner.device),
+            self.runner.cache.row(slot), begin, self.prefill_chunk, self.tap_layers,
             lambda taps, first: self.drafter.append_context(torch.cat(taps, dim=-1), first, first_row=slot))
+        seq.length = end
+        self._length[slot] = end  # a throwaway tree of this row writes past the prompt fed so far
+        seq.stats.prefill_seconds += time.perf_counter() - start
+        if end < len(prompt):
+            return None
         token = sample(self.model.logits(last).view(1, -1), seq.params, seq.generator).view(1)
         self._root[slot] = token[0]
         self._h_last[slot] = last
-        self._length[slot] = len(prompt)
-        seq.length = len(prompt)
-        seq.stats.prefill_seconds += time.perf_counter() - start
         seq.stats.verify_steps = 1  # the prefill forward produced the first token
         seq.decode_started = time.perf_counter()
         return seq.push(int(token[0]))
@@ -153,7 +167,8 @@ class SpeculativeBatch(BatchSlots):
         """Draft -> trees -> one verify -> per-row acceptance -> one commit over rows 0 .. bucket - 1 -> the tokens
         each row of `rows` produced (its accepted drafts, then the bonus token) and the size the step took."""
         start = time.perf_counter()
-        longest = max((seq.length for seq in rows.values()), default=0)
+        # every row of the bucket drafts, a row still in its prompt (not in `rows`) too: the keys cover them all
+        longest = max((seq.length for seq in self._slots[:bucket] if seq is not None), default=0)
         draft_len = key_length_bucket(longest + self.max_depth, self.runner.max_len)
         budget = self.budgets[bucket] if self.budgets is not None and forced_size is None else None
         drafting = forced_size != 0 and (budget is None or budget.wants_draft())
@@ -227,7 +242,6 @@ class SpeculativeBatch(BatchSlots):
                 if cuda:
                     torch.cuda.synchronize()
                 drafts[bucket] = time.perf_counter() - t0
-        self._length.zero_()  # the throwaway trees advanced the rows
         # Tensor-parallel ranks decide with rank 0's times, so they choose the same sizes and their collectives meet.
         times, drafts = broadcast_object((times, drafts))
         self.budgets = {b: BudgetController(self.sizes, times[b], draft_seconds=drafts[b]) for b in buckets}
@@ -275,6 +289,7 @@ class SpeculativeBatch(BatchSlots):
             if p is not None and not p.greedy:
                 draws[r] = target_draws(target_logits[r], p, self._uniforms[r])
         acc = accept_tree(tokens, parents, depths, tree.ancestor_mask(), draws, self.max_depth)
+        acc = acc.only(self._decoding[:bucket])
         self.model.commit(self.runner.cache.rows(0, bucket), lengths, tree, saved, acc.accepted, acc.path)
         feats = torch.cat(taps, dim=-1)
         on_path = acc.path_or_last()[:, :, None].expand(-1, -1, feats.shape[-1])

@@ -27,6 +27,12 @@ class Acceptance:
     last: torch.Tensor
     bonus: torch.Tensor
 
+    def only(self, rows: torch.Tensor) -> "Acceptance":
+        """This acceptance with the trees where ``rows`` [...] bool is False accepting nothing, not even the root:
+        a commit of it leaves their caches and states as they were (a batch row still in its prompt)."""
+        return Acceptance(self.accepted & rows.unsqueeze(-1), torch.where(rows.unsqueeze(-1), self.path, -1),
+                          self.last, self.bonus)
+
     def path_or_last(self) -> torch.Tensor:
         """`path` with its padding replaced by the last accepted node: a node for every slot, so gathering the
         path's features fills the slots past it with scratch that the next commit overwrites."""

@@ -198,13 +198,15 @@ class AcceptedSlots:
 def accepted_slots(cache_len: int | torch.Tensor, path_indices: torch.Tensor, batch: int, device: torch.device) -> AcceptedSlots:
     """path_indices ``[B, M]`` (or ``[M]``): the accepted path's node indices in order, root (0) first, padded
     with −1. Padding repeats the row's last valid (slot, node) pair, so every write is well defined (duplicates
-    write identical values) and nothing syncs the host."""
+    write identical values) and nothing syncs the host. A row that accepted nothing (a batch row still in its
+    prompt) keeps its length; it writes its root's K/V into slot L, past its length, as scratch."""
     path = path_indices.long().to(device).reshape(batch, -1)
     L = cache_lengths(cache_len, batch, device)
-    count = (path >= 0).sum(-1, keepdim=True)                                   # a + 1, ≥ 1 (the root)
-    t = torch.minimum(torch.arange(path.shape[1], device=device), count - 1)     # [B, M]
+    count = (path >= 0).sum(-1, keepdim=True)                                   # a + 1 (the root), or 0
+    t = torch.minimum(torch.arange(path.shape[1], device=device), count - 1).clamp(min=0)  # [B, M]
     rows = torch.arange(batch, device=device)[:, None].expand_as(t)
-    return AcceptedSlots(rows=rows, dst=L[:, None] + t, src=path.gather(1, t), lengths=L + count[:, 0])
+    src = path.gather(1, t).clamp(min=0)
+    return AcceptedSlots(rows=rows, dst=L[:, None] + t, src=src, lengths=L + count[:, 0])
 
 
 def write_accepted_kv(
