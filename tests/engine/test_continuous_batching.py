@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash_tfm import Engine, SamplingParams, SpeculativeConfig
+from dflash_tfm import Engine, SamplingParams
 from dflash_tfm.engine.batch_runner import batch_bucket
 from dflash_tfm.engine.continuous_batching import ContinuousBatch
 from tests.engine.test_batch_generation import ReplayedFirstCapture
