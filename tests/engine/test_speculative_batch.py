@@ -127,6 +127,16 @@ def test_auto_budget_batches_equal_their_solo_outputs_whatever_sizes_they_take(a
     assert sum(taken.values()) > 0 and len(taken) >= 2, taken
 
 
+def test_a_new_request_resets_every_buckets_probe_interval(adaptive: Engine) -> None:
+    """As for one request (`BudgetController.start_request`): a bucket that stopped speculating probes again at
+    the shortest interval once a new request joins."""
+    budget = adaptive.batch.budgets[2]
+    budget._probe_interval = 8 * budget.probe_every
+    seq = adaptive.add_request([5, 6, 7], SamplingParams(temperature=0.0, max_new_tokens=2))
+    assert budget._probe_interval == budget.probe_every
+    adaptive.batch.abort(seq)
+
+
 def test_a_dear_batched_verify_shrinks_the_trees_to_plain_decoding(adaptive: Engine) -> None:
     """Step times where verifying trees for three rows costs 5x a plain batched step: the bucket-3 steps decode
     plainly once speculation is shown not to pay there, bucket 1 keeps its trees; outputs stay the solo ones."""

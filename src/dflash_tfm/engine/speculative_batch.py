@@ -12,8 +12,9 @@ request owns one row (slot) of the target's cache (`BatchRunner`) and of the dra
 4. verifies all trees in ONE target forward (tree attention and the Gated-DeltaNet tree kernels take a batch
    with one committed length per row);
 5. accepts each row along its own target draws, with its request's own sampling settings and generator (the
-   uniforms are drawn from it in the same order as when the request decodes alone, so a request's tokens do not
-   depend on which others share its steps), and commits every decoding row's path in one call; a row that is not
+   uniforms are drawn from it in the same order as when the request decodes alone, so at a fixed budget a
+   request's tokens do not depend on which others share its steps; with ``auto`` the sizes do, and a sampled
+   request's draws with them, each as lossless as the other), and commits every decoding row's path in one call; a row that is not
    decoding (still in its prompt, or holding no request) accepts nothing, not even its root
    (`Acceptance.only`), so the commit leaves its Gated-DeltaNet state, conv window and length as they were, and
    what its throwaway tree wrote past its length is overwritten by its next prompt chunk;
@@ -96,10 +97,16 @@ class SpeculativeBatch(BatchSlots):
                                   per_phase=8 * (slots.bit_length() + 1) * len(self.sizes))
         # What one phase hands the next (see the module docstring), per batch bucket or per (bucket, size)
         self._drafted: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._estimates: dict[int, torch.Tensor] = {}  # [bucket, len(sizes)]: each row's E(b)
+        # each row's E(b) of its latest draft, one buffer for every draft graph: [slots, len(sizes)]
+        self._estimates = torch.zeros(slots, len(self.sizes), device=device)
         self._trees: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor, TreeSpec]] = {}
         self._verified: dict[tuple[int, int], tuple] = {}
         self._produced: dict[tuple[int, int], torch.Tensor] = {}
+
+    def add(self, seq: Sequence) -> None:
+        super().add(seq)
+        for budget in (self.budgets or {}).values():  # a new request probes at the shortest interval again
+            budget.start_request()
 
     def _release(self, seq: Sequence) -> None:
         super()._release(seq)
@@ -205,7 +212,7 @@ class SpeculativeBatch(BatchSlots):
 
     def _mean_estimate(self, bucket: int, rows: dict[int, Sequence]) -> list[float]:
         """The requests' mean E(b) of every size from their drafts (one host read)."""
-        per_row = self._estimates[bucket][sorted(rows)]
+        per_row = self._estimates[sorted(rows)]
         return per_row.mean(dim=0).tolist()
 
     @torch.inference_mode()
@@ -254,9 +261,9 @@ class SpeculativeBatch(BatchSlots):
             self._drafted[bucket] = (torch.empty_like(logits), torch.empty_like(hidden))
         self._drafted[bucket][0].copy_(logits)
         self._drafted[bucket][1].copy_(hidden)
-        if len(self.sizes) > 1:
-            self._estimates[bucket] = torch.stack(
-                [expected_accepted_by_size(logits[r], self._estimate_sizes) for r in range(bucket)])
+        if len(self.sizes) > 1:  # copied into the batch's buffer: every draft graph of the bucket writes there
+            self._estimates[:bucket].copy_(torch.stack(
+                [expected_accepted_by_size(logits[r], self._estimate_sizes) for r in range(bucket)]))
 
     def _tree(self, bucket: int, size: int) -> None:
         if size == 0:  # a plain decode step: every row's tree is its root

@@ -107,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--speculative-draft-model-revision", default=None, help="rejected: local paths only")
     p.add_argument("--max-running-requests", type=int, default=None,
                    help=f"requests decoded together by continuous batching (default {DEFAULT_MAX_RUNNING}; "
-                        "speculative algorithms decode 1 at a time); the cache holds one row of --max-model-len "
+                        "with a speculative algorithm 1 unless given); the cache holds one row of --max-model-len "
                         f"tokens per request, and {QUEUE_PER_RUNNING_SLOT} x N requests may be admitted "
                         "(running + waiting) when the flag is given"),
     p.add_argument("--max-queued-requests", type=int, default=None,
