@@ -26,7 +26,7 @@ from benchmarks.bench_projection_kernels import shapes
 from benchmarks.timing import time_ms
 from dflash_tfm.config import ModelConfig
 from dflash_tfm.kernels.fp8.block_quant import dequantize_rows, expand_block_scales, quantize_blocks
-from dflash_tfm.kernels.fp8.weight_stream import Fp8StreamConfig, fp8_matmul
+from dflash_tfm.kernels.fp8.weight_stream import Fp8Launch, Fp8StreamConfig, fp8_matmul, stream_config
 from dflash_tfm.models.presets import QWEN3_6_27B
 
 ITERS, WARMUP = 50, 10
@@ -34,19 +34,16 @@ L2_OVERFLOW_BYTES = 256 << 20  # the weight copies one sweep timing cycles throu
 
 
 def sweep_configs(rows: int, N: int, K: int, sms: int) -> list[Fp8StreamConfig]:
-    """Every launch tried: for one row the CUDA-core GEMV (tile width × split-K from 2 to 8 programs per SM ×
-    warps × stages × K blocks per step), else the tensor-core tiles (width × 1 to 4 programs per SM × warps ×
-    stages)."""
-    configs = []
+    """Every launch tried: for one row the CUDA-core GEMV (tile width × 2 to 8 programs per SM × warps × stages ×
+    K blocks per step), else the tensor-core tiles (width × 1 to 4 programs per SM × warps × stages), each
+    sized for the product by `stream_config` as the engine sizes its launches."""
     if rows == 1:
-        for bn, per_sm, warps, stages, sub in itertools.product((16, 32, 64), (2, 4, 8), (4, 8), (2, 4), (1, 2, 4)):
-            split = max(1, min(K // (128 * sub), round(per_sm * sms / -(-N // bn))))
-            configs.append(Fp8StreamConfig(bn, split, warps, stages, gemv=True, sub_blocks=sub))
-        return list(dict.fromkeys(configs))
-    for bn, per_sm, warps, stages in itertools.product((32, 64, 128, 256), (1, 2, 4), (4, 8), (2, 3, 4)):
-        split = max(1, min(K // 256, round(per_sm * sms / -(-N // bn))))
-        configs.append(Fp8StreamConfig(bn, split, warps, stages))
-    return list(dict.fromkeys(configs))
+        launches = [Fp8Launch(bn, per_sm, warps, stages, gemv=True, sub_blocks=sub) for bn, per_sm, warps, stages, sub
+                    in itertools.product((16, 32, 64), (2, 4, 8), (4, 8), (2, 4), (1, 2, 4))]
+    else:
+        launches = [Fp8Launch(bn, per_sm, warps, stages) for bn, per_sm, warps, stages
+                    in itertools.product((32, 64, 128, 256), (1, 2, 4), (4, 8), (2, 3, 4))]
+    return list(dict.fromkeys(stream_config(rows, N, K, sms, launch) for launch in launches))
 
 
 def sweep(args: argparse.Namespace, cfg: ModelConfig, dev: torch.device, dt: torch.dtype) -> list[dict]:

@@ -8,9 +8,27 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
+
+
+def fastest_seconds(run: Callable[[], object], warmup: int, steps: int, device: torch.device) -> float:
+    """The fastest of `steps` timed calls of `run` after `warmup` untimed ones, each from an idle GPU to its end
+    (inf when steps is 0): the minimum, since other work on the machine only ever adds time."""
+    cuda = device.type == "cuda"
+    for _ in range(warmup):
+        run()
+    fastest = float("inf")
+    for _ in range(steps):
+        if cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        run()
+        if cuda:
+            torch.cuda.synchronize()
+        fastest = min(fastest, time.perf_counter() - start)
+    return fastest
 
 
 class PhaseTimer:

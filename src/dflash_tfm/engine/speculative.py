@@ -31,7 +31,7 @@ import torch
 from dflash_tfm.engine.budget import BudgetController
 from dflash_tfm.engine.model_runner import ModelRunner
 from dflash_tfm.engine.phase_graphs import PhaseGraphs
-from dflash_tfm.engine.phase_timer import PhaseTimer
+from dflash_tfm.engine.phase_timer import PhaseTimer, fastest_seconds
 from dflash_tfm.layers.linear import skinny_projections
 from dflash_tfm.parallel.group import broadcast_object, tp_size
 from dflash_tfm.sampling import sample
@@ -258,22 +258,10 @@ class SpeculativeDecoder:
                      generator: torch.Generator | None = None) -> float:
         """The fastest of `steps` steps forced to `size` (seconds) after `warmup` steps, on a fresh request: the
         minimum, since other work on the machine only ever adds time."""
-        cuda = self.runner.device.type == "cuda"
         self._forced_size = size
         try:
             self.prefill(prompt_ids, params, generator)
-            for _ in range(warmup):
-                self.step(params, generator)
-            fastest = float("inf")
-            for _ in range(steps):
-                if cuda:
-                    torch.cuda.synchronize()
-                start = time.perf_counter()
-                self.step(params, generator)
-                if cuda:
-                    torch.cuda.synchronize()
-                fastest = min(fastest, time.perf_counter() - start)
-            return fastest
+            return fastest_seconds(lambda: self.step(params, generator), warmup, steps, self.runner.device)
         finally:
             self._forced_size = None
             self.timer.collect()

@@ -14,8 +14,8 @@ request owns one row (slot) of the target's cache (`BatchRunner`) and of the dra
 5. accepts each row along its own target draws, with its request's own sampling settings and generator (the
    uniforms are drawn from it in the same order as when the request decodes alone, so at a fixed budget a
    request's tokens do not depend on which others share its steps; with ``auto`` the sizes do, and a sampled
-   request's draws with them, each as lossless as the other), and commits every decoding row's path in one call; a row that is not
-   decoding (still in its prompt, or holding no request) accepts nothing, not even its root
+   request's draws with them, each as lossless as the other), and commits every decoding row's path in one
+   call; a row that is not decoding (still in its prompt, or holding no request) accepts nothing, not even its root
    (`Acceptance.only`), so the commit leaves its Gated-DeltaNet state, conv window and length as they were, and
    what its throwaway tree wrote past its length is overwritten by its next prompt chunk;
 6. reads the produced tokens of every row at once (one host read) and pushes them through each request's stop
@@ -49,6 +49,7 @@ from dflash_tfm.engine.budget import BudgetController
 from dflash_tfm.engine.batch_slots import BatchSlots
 from dflash_tfm.engine.model_runner import key_length_bucket, prefill_in_chunks
 from dflash_tfm.engine.phase_graphs import PhaseGraphs
+from dflash_tfm.engine.phase_timer import fastest_seconds
 from dflash_tfm.engine.sequence import Sequence, StreamDelta
 from dflash_tfm.engine.speculative import Proposer
 from dflash_tfm.layers.linear import skinny_projections
@@ -183,7 +184,7 @@ class SpeculativeBatch(BatchSlots):
             self.graphs.run(("draft", bucket, draft_len), lambda: self._draft(bucket, draft_len))
         size, predicted = forced_size if forced_size is not None else self.sizes[-1], 0.0
         if budget is not None:
-            estimate = self._mean_estimate(bucket, rows) if drafting else None
+            estimate = self._mean_estimate(rows) if drafting else None
             size = budget.choose(estimate)
             predicted = estimate[self.sizes.index(size)] if estimate is not None else 0.0
         params = [rows[r].params if r in rows else None for r in range(bucket)]
@@ -210,7 +211,7 @@ class SpeculativeBatch(BatchSlots):
                 budget.observe_seconds(size, time.perf_counter() - start - extra)
         return emitted, size
 
-    def _mean_estimate(self, bucket: int, rows: dict[int, Sequence]) -> list[float]:
+    def _mean_estimate(self, rows: dict[int, Sequence]) -> list[float]:
         """The requests' mean E(b) of every size from their drafts (one host read)."""
         per_row = self._estimates[sorted(rows)]
         return per_row.mean(dim=0).tolist()
@@ -224,31 +225,18 @@ class SpeculativeBatch(BatchSlots):
             raise RuntimeError("step times are measured before any request joins the batch")
         if len(self.sizes) < 2:
             raise ValueError("a fixed proposal size has nothing to choose between")
-        cuda = self.runner.device.type == "cuda"
+        device = self.runner.device
+        draft_len = key_length_bucket(self.max_depth, self.runner.max_len)
         times: dict[int, dict[int, float]] = {}
         drafts: dict[int, float] = {}
         buckets = sorted({batch_bucket(n, self.runner.slots) for n in range(1, self.runner.slots + 1)})
         with skinny_projections():
             for bucket in buckets:
-                times[bucket] = {}
-                for size in self.sizes:
-                    fastest = float("inf")
-                    for i in range(warmup + steps):
-                        if cuda:
-                            torch.cuda.synchronize()
-                        t0 = time.perf_counter()
-                        self._speculate(bucket, {}, forced_size=size)
-                        if cuda:
-                            torch.cuda.synchronize()
-                        if i >= warmup:
-                            fastest = min(fastest, time.perf_counter() - t0)
-                    times[bucket][size] = fastest
-                draft_len = key_length_bucket(self.max_depth, self.runner.max_len)
-                t0 = time.perf_counter()
-                self.graphs.run(("draft", bucket, draft_len), lambda: self._draft(bucket, draft_len))
-                if cuda:
-                    torch.cuda.synchronize()
-                drafts[bucket] = time.perf_counter() - t0
+                times[bucket] = {size: fastest_seconds(lambda: self._speculate(bucket, {}, forced_size=size),
+                                                       warmup, steps, device) for size in self.sizes}
+                drafts[bucket] = fastest_seconds(  # its graph is captured: the measuring steps drafted
+                    lambda: self.graphs.run(("draft", bucket, draft_len), lambda: self._draft(bucket, draft_len)),
+                    0, 1, device)
         # Tensor-parallel ranks decide with rank 0's times, so they choose the same sizes and their collectives meet.
         times, drafts = broadcast_object((times, drafts))
         self.budgets = {b: BudgetController(self.sizes, times[b], draft_seconds=drafts[b]) for b in buckets}

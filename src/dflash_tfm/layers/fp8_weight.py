@@ -29,7 +29,8 @@ from torch import nn
 
 from dflash_tfm.kernels import use_triton
 from dflash_tfm.kernels.fp8.block_quant import BLOCK, FP8_DTYPE, dequantize_rows
-from dflash_tfm.kernels.fp8.weight_stream import DEFAULT_LAUNCH, LAUNCHES, MAX_ROWS, fp8_matmul, launches_for, stream_config
+from dflash_tfm.kernels.fp8.weight_stream import (DEFAULT_LAUNCH, LAUNCHES, MAX_ROWS, fp8_matmul, launches_for,
+                                                  multiprocessors, stream_config)
 from dflash_tfm.tuning import TunedChoice
 
 FP8_PROJECTION = TunedChoice("fp8_projection", default=DEFAULT_LAUNCH, candidates=tuple(LAUNCHES))
@@ -91,12 +92,6 @@ class Fp8Weight(nn.Module):
 
     def extra_repr(self) -> str:
         return f"shape={list(self.weight.shape)}, dense_rows={self.dense_rows}"
-
-
-@functools.cache
-def multiprocessors(device: torch.device) -> int:
-    """The SM count the launches are sized for (1 off CUDA: Triton's interpreter)."""
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
 def fp8_linear(x: torch.Tensor, weight: Fp8Weight) -> torch.Tensor:

@@ -4,10 +4,10 @@ weight in FP8 and its block scales applied in the kernel: a weight stream that r
 The design is `kernels/linear/skinny_matmul.py`'s: one program owns a ``BM × BN`` output tile and a slice of K,
 split-K into an fp32 workspace summed in a fixed order by a second kernel (deterministic, identical in eager runs
 and CUDA-graph replays, no atomics). The K step is the 128-wide scale block, so each step loads an FP8 tile
-``[BN, 128]``, multiplies it by its rows' scales for this K block (``scale [N, ⌈K/128⌉]``, one per output row: `block_quant`),
-rounds that to the activations' dtype and accumulates its product with x on the tensor cores in fp32. One row (a
-decode step) can instead take the GEMV launch: the same weight stream multiplied on the CUDA cores, several K
-blocks per loop step, each block's scale applied to its fp32 row sums.
+``[BN, 128]``, multiplies it by its rows' scales for this K block (``scale [N, ⌈K/128⌉]``, one per output row:
+`block_quant`), rounds that to the activations' dtype and accumulates its product with x on the tensor cores in
+fp32. One row (a decode step) can instead take the GEMV launch: the same weight stream multiplied on the CUDA
+cores, several K blocks per loop step, each block's scale applied to its fp32 row sums.
 Every launch allocates only its output (and the split workspace), so it is safe inside a CUDA-graph capture.
 
 The twin is `reference.fp8_matmul_reference` (dequantise, then ``F.linear``): the tile launch rounds the
@@ -15,6 +15,7 @@ dequantised weight as the twin does, the GEMV keeps it in fp32.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -108,8 +109,7 @@ def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     x2 = x.reshape(-1, K)
     M = x2.shape[0]
     BM = block_m(M)
-    c = config or stream_config(M, N, K, torch.cuda.get_device_properties(x.device).multi_processor_count
-                                if x.is_cuda else 1)
+    c = config or stream_config(M, N, K, multiprocessors(x.device))
     if c.gemv and M != 1:
         raise ValueError(f"the FP8 GEMV launch takes one row, got {M}")
     step = BLOCK * (c.sub_blocks if c.gemv else 1)
@@ -131,6 +131,12 @@ def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     if splits > 1:
         sum_splits_kernel[(triton.cdiv(M * N, 1024),)](target, out, M * N, SPLIT_K=splits, BLOCK=1024)
     return out.view(*lead, N)
+
+
+@functools.cache
+def multiprocessors(device: torch.device) -> int:
+    """The SM count the launches are sized for (1 off CUDA: Triton's interpreter)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
 @dataclass(frozen=True)
