@@ -108,6 +108,9 @@ def main() -> None:
             r["equal_to_ar"] = reference.get(c) == outputs if c in reference else None
             rows.append({"algorithm": algorithm, "concurrency": c, **r})
             del engine
+            if args.out:  # after every cell: a run cut short keeps what it measured
+                args.out.write_text(json.dumps({"settings": {k: str(v) for k, v in vars(args).items()},
+                                                "rows": rows}, indent=1))
     print(f"\n{len(texts)} prompts max, {args.max_new_tokens} new tokens each, greedy, budget {args.budget}")
     print("| algorithm | concurrency | tokens/s | vs AR | latency p50 s | p99 s | request tok/s p50 | tokens/step "
           "| equal to AR |")
@@ -119,9 +122,6 @@ def main() -> None:
         print(f"| {r['algorithm']} | {c} | {r['tokens_per_s']:.1f} | {ratio} | {r['latency_p50_s']:.2f} | "
               f"{r['latency_p99_s']:.2f} | {r['request_tok_s_p50']:.1f} | {r['tokens'] / r['steps']:.2f} | "
               f"{r['equal_to_ar']} |")
-    if args.out:
-        args.out.write_text(json.dumps({"settings": {k: str(v) for k, v in vars(args).items()}, "rows": rows},
-                                       indent=1))
 
 
 if __name__ == "__main__":

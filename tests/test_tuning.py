@@ -16,20 +16,23 @@ GPU = torch.device("cuda")
 @pytest.fixture
 def fake_gpu(monkeypatch, tmp_path):
     """A fresh cache directory and registry, a GPU named "NVIDIA Test GPU", no capture, and a timer that returns
-    what each candidate returns (ms); `timed` lists the candidates timed."""
+    what each candidate returns (ms); `timed` lists the candidates timed (marked if timed before a synchronisation
+with the caller's stream)."""
     import triton.testing
 
     timed: list[str] = []
+    synchronized = []
 
-    def bench(fn, **kw):
+    def bench(fn, **kw):  # the candidates run on a stream of their own: the caller's must have finished first
         name, ms = fn()
-        timed.append(name)
+        timed.append(name if synchronized else f"{name} before the caller's stream finished")
         return ms
 
     monkeypatch.setattr(tuning, "_registry", {})
     monkeypatch.setattr(tuning, "_device_name", lambda index: "NVIDIA Test GPU")
     monkeypatch.setattr(tuning.torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(tuning.torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(tuning.torch.cuda, "synchronize", lambda device=None: synchronized.append(True))
     monkeypatch.setattr(triton.testing, "do_bench_cudagraph", bench)
     session_directory = tuning.cache_dir()
     tuning.use_directory(tmp_path)
@@ -152,3 +155,24 @@ def test_the_kernel_path_line_names_the_file_and_every_choice(fake_gpu, tmp_path
 def test_tests_keep_the_cache_out_of_the_home_directory() -> None:
     """tests/conftest.py points the tuning cache at a temporary directory for the whole session."""
     assert tuning.cache_dir() != tuning.Path.home() / ".cache" / "dflash_tfm" / "tuning"
+
+
+@pytest.mark.gpu
+def test_candidates_see_what_the_caller_s_stream_wrote(tmp_path) -> None:
+    """On a real GPU: the caller's stream is still busy (a sleep, then a write) when a choice is timed, and the
+    candidates, which run on the timer's own stream, read the written value, not the one before."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    session_directory = tuning.cache_dir()
+    tuning.use_directory(tmp_path)
+    try:
+        src = torch.zeros(1, device=GPU)
+        seen: list[torch.Tensor] = []
+        torch.cuda._sleep(200_000_000)  # about 0.1 s of a busy stream
+        src.fill_(7.0)
+        choice = tuning.TunedChoice("stream_order_test", default="a", candidates=("a", "b"))
+        choice.pick(("k",), lambda: {n: (lambda: seen.append(src.clone())) for n in ("a", "b")}, GPU)
+        torch.cuda.synchronize()
+        assert seen[0].item() == 7.0
+    finally:
+        tuning.use_directory(session_directory)

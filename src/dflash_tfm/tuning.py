@@ -172,6 +172,10 @@ class TunedChoice:
     def _time(self, candidates: dict[str, Callable[[], object]]) -> dict:
         from triton.testing import do_bench_cudagraph
 
+        # do_bench_cudagraph runs the candidates on a stream of its own, which does not wait for the caller's:
+        # without this the candidates could read inputs the caller's stream has not written yet (an illegal
+        # address when one of them is a length or an index)
+        torch.cuda.synchronize()
         times, failed = {}, {}
         for name, fn in candidates.items():
             try:

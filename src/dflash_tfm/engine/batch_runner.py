@@ -20,6 +20,7 @@ import torch
 
 from dflash_tfm.engine.model_runner import key_length_bucket
 from dflash_tfm.engine.phase_graphs import PhaseGraphs
+from dflash_tfm.layers.compile import unfused
 from dflash_tfm.layers.linear import skinny_projections
 from dflash_tfm.models.cache import ModelCache
 from dflash_tfm.models.decoder import CausalLM
@@ -63,7 +64,8 @@ class BatchRunner:
         row = self.cache.row(slot)
         ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)
         positions = torch.arange(start, start + len(token_ids), device=self.device).view(1, -1)
-        hidden, _ = self.model(ids, positions, row, kv_len=start + len(token_ids))
+        with unfused():  # a new length every request (see `prefill_in_chunks`)
+            hidden, _ = self.model(ids, positions, row, kv_len=start + len(token_ids))
         return self.model.logits(hidden[:, -1])
 
     @torch.inference_mode()

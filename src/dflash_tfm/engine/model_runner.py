@@ -12,6 +12,7 @@ from typing import Callable
 import torch
 
 from dflash_tfm.models.cache import ModelCache
+from dflash_tfm.layers.compile import unfused
 from dflash_tfm.layers.linear import skinny_projections
 from dflash_tfm.models.decoder import CausalLM
 
@@ -36,12 +37,13 @@ def prefill_in_chunks(
     T = token_ids.shape[0]
     ids = token_ids.view(1, T)
     hidden = None
-    for s in range(0, T, chunk):
-        e = min(T, s + chunk)
-        positions = torch.arange(start + s, start + e, device=ids.device).view(1, -1)
-        hidden, taps = model(ids[:, s:e], positions, cache, kv_len=start + e, tap_layers=tap_layers)
-        if on_taps is not None:
-            on_taps(taps, start + s)
+    with unfused():  # a new length every request: compiled helpers would recompile and pay their guards
+        for s in range(0, T, chunk):
+            e = min(T, s + chunk)
+            positions = torch.arange(start + s, start + e, device=ids.device).view(1, -1)
+            hidden, taps = model(ids[:, s:e], positions, cache, kv_len=start + e, tap_layers=tap_layers)
+            if on_taps is not None:
+                on_taps(taps, start + s)
     return hidden[0, -1]
 
 
