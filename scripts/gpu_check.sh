@@ -3,7 +3,7 @@
 # the benchmarks. Logs and JSON land in $OUT (default ./out); a short table is printed last.
 #   device run:  bash scripts/gpu_check.sh            (carry: .whl with the fla-core and gguf wheels)
 # Set GPU_CHECK_PARTS to a subset of "tests kernels tree moe ar verify draft spec projections profile
-# profile_verify train fp8 fp8_sweep batch" to run only those parts, MOE_SWEEP=1 to have the moe part also time its tile settings,
+# profile_verify train fp8 fp8_sweep prefill batch" to run only those parts, MOE_SWEEP=1 to have the moe part also time its tile settings,
 # GPU_TESTS to test paths, VERIFY_NS to the verify step's tree sizes, SPEC_BUDGETS to the speculative step's tree
 # sizes, SMOL_GGUF to the SmolLM2 GGUF (staged from .stage/smol) for the fp8 part's GSM8K agreement run and the
 # batch part, BATCH_BUDGET to the batch part's tree budget (a number or auto). All
@@ -73,6 +73,8 @@ has fp8 && run bench_verify_step_fp8 python3 -m benchmarks.bench_verify_step --n
   --out "$OUT/verify_step_fp8.json"
 has fp8 && [ -n "${SMOL_GGUF:-}" ] && run fp8_agreement python3 -m benchmarks.fp8_agreement --target-path "$SMOL_GGUF" \
   --dataset-dir .stage/datasets --out "$OUT/fp8_agreement.json"
+# Prompt prefill: the first prefill at a new length (what a request pays before its first token) and again.
+has prefill && run bench_prefill python3 -m benchmarks.bench_prefill --profile 517 --out "$OUT/prefill.json"
 # Continuous batching, AR against each speculative algorithm, at concurrency 1 / 4 / 16 / 32 (SmolLM2 staged).
 has batch && [ -n "${SMOL_GGUF:-}" ] && run batch_throughput python3 -m benchmarks.batch_throughput \
   --target-path "$SMOL_GGUF" --dataset-dir .stage/datasets --concurrency 1 4 16 32 --budget ${BATCH_BUDGET:-16} \
