@@ -100,6 +100,19 @@ def test_realised_step_times_replace_the_start_up_measurement() -> None:
     assert c.step_seconds == TIMES
 
 
+def test_one_stalled_step_does_not_rule_its_size_out() -> None:
+    """A step that stalled (a graph captured, a kernel tuned: a hundred times its usual time) moves T(b) as a
+    step of twice the time would; the size is still taken, and steady times bring T(b) back."""
+    c = BudgetController(SIZES, TIMES)
+    assert c.choose([0.0, 2.0, 6.0]) == 32
+    c.observe_seconds(32, 300.0)
+    assert c.step_seconds[32] == pytest.approx(3.0 + 0.1 * (2 * 3.0 - 3.0))
+    assert [c.choose([0.0, 2.0, 6.0]) for _ in range(20)][-1] == 32  # 7 / 3.3 > 3 / 1.5
+    for _ in range(100):
+        c.observe_seconds(32, 3.0)
+    assert c.step_seconds[32] == pytest.approx(3.0, rel=1e-3)
+
+
 def test_sizes_need_zero_and_times() -> None:
     with pytest.raises(ValueError, match="must include 0"):
         BudgetController((8, 16), {8: 1.0, 16: 2.0})
