@@ -62,3 +62,13 @@ def test_the_estimates_bound_the_exact_best_first_sums(seed: int) -> None:
     exact = best_first(sure, 128)[0].exp().cumsum(0)
     small = [("tree", b) for b in (8, 16)]
     assert torch.allclose(expected_accepted_by_size(sure, small), exact[[b - 1 for _, b in small]], rtol=1e-4)
+
+
+def test_a_batch_of_drafts_gives_each_draft_s_estimates() -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(3, 6, 40) * 2
+    sizes = [("chain", 0), ("chain", 3), ("tree", 8), ("tree", 32)]
+    batched = expected_accepted_by_size(logits, sizes)
+    assert batched.shape == (3, len(sizes))
+    for r in range(3):
+        assert torch.allclose(batched[r], expected_accepted_by_size(logits[r], sizes), rtol=1e-6)

@@ -96,3 +96,18 @@ def test_ddtree_ties_and_masked_vocab_keep_a_valid_tree() -> None:
 def test_ddtree_rejects_impossible_budget() -> None:
     with pytest.raises(ValueError, match="does not fit"):
         build_ddtree(torch.tensor(0), torch.zeros(K, 1), K + 1)
+
+
+@pytest.mark.parametrize("budget", [1, 16, 64])
+def test_a_batch_of_rows_builds_each_row_s_own_tree(budget: int) -> None:
+    """Leading dims build one tree per row in the same launches: each equal to that row built alone (ties
+    included: a row of equal logits and a row with masked tokens sit beside random rows)."""
+    torch.manual_seed(budget)
+    logits = torch.randn(4, K, 50) * 3
+    logits[1] = 0.0
+    logits[2, :, 10:] = float("-inf")
+    roots = torch.tensor([3, 4, 5, 6])
+    for build in (lambda r, lg: build_ddtree(r, lg, budget), build_chain):
+        batched = build(roots, logits)
+        for r in range(4):
+            assert all(torch.equal(b[r], a) for b, a in zip(batched, build(roots[r], logits[r])))

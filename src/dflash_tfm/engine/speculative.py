@@ -48,11 +48,14 @@ TreeBuilder = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
 class Proposer:
     """build(root [1] long, draft_logits [K, V] fp32, draft_hidden [K, H], h_target [H]) -> tokens, parents,
     depths, each [num_nodes] (static, so the step's shapes never change). kind: "chain" or "tree", which of the
-    drafter-side acceptance estimates (`spec.acceptance_estimate`) predicts it."""
+    drafter-side acceptance estimates (`spec.acceptance_estimate`) predicts it. rows: `build` also takes a
+    batch's rows at once (root [B], logits [B, K, V], hidden [B, K, H], h_target [B, H] -> [B, num_nodes] each),
+    in the launches of one row."""
 
     build: TreeBuilder
     num_nodes: int
     kind: str = "tree"
+    rows: bool = False
 
 
 

@@ -250,8 +250,7 @@ class SpeculativeBatch(BatchSlots):
         self._drafted[bucket][0].copy_(logits)
         self._drafted[bucket][1].copy_(hidden)
         if len(self.sizes) > 1:  # copied into the batch's buffer: every draft graph of the bucket writes there
-            self._estimates[:bucket].copy_(torch.stack(
-                [expected_accepted_by_size(logits[r], self._estimate_sizes) for r in range(bucket)]))
+            self._estimates[:bucket].copy_(expected_accepted_by_size(logits, self._estimate_sizes))
 
     def _tree(self, bucket: int, size: int) -> None:
         if size == 0:  # a plain decode step: every row's tree is its root
@@ -260,9 +259,13 @@ class SpeculativeBatch(BatchSlots):
             depths = torch.zeros_like(tokens)
         else:
             logits, hidden = self._drafted[bucket]
-            build = self.proposers[size].build
-            built = [build(self._root[r : r + 1], logits[r], hidden[r], self._h_last[r]) for r in range(bucket)]
-            tokens, parents, depths = (torch.stack(parts) for parts in zip(*built))
+            proposer = self.proposers[size]
+            if proposer.rows:  # every row's tree in the launches of one
+                tokens, parents, depths = proposer.build(self._root[:bucket], logits, hidden, self._h_last[:bucket])
+            else:
+                built = [proposer.build(self._root[r : r + 1], logits[r], hidden[r], self._h_last[r])
+                         for r in range(bucket)]
+                tokens, parents, depths = (torch.stack(parts) for parts in zip(*built))
         tree = TreeSpec.build(tokens, parents, cache_len=self._length[:bucket])
         self._trees[(bucket, size)] = (tokens, parents, depths, tree)
 

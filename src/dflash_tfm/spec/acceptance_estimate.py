@@ -28,28 +28,31 @@ ESTIMATE_CHILDREN = 8
 
 def expected_accepted_by_size(logits: torch.Tensor, sizes: list[tuple[str, int]],
                               children: int = ESTIMATE_CHILDREN) -> torch.Tensor:
-    """logits [K, V] of one draft -> fp32 [len(sizes)]: for each (kind, b), kind "chain" or "tree", the expected
-    accepted drafts of that proposal of b nodes below the root (b = 0: none). No host sync, static shapes."""
+    """logits [..., K, V] of one draft per leading index (a batch's rows at once) -> fp32 [..., len(sizes)]: for
+    each (kind, b), kind "chain" or "tree", the expected accepted drafts of that proposal of b nodes below the
+    root (b = 0: none). No host sync, static shapes."""
     logp = logits.float().log_softmax(-1)
-    chain = logp.amax(-1).cumsum(0).exp().cumsum(0)  # [K]: E(chain of d drafts) at d - 1
+    chain = logp.amax(-1).cumsum(-1).exp().cumsum(-1)  # [..., K]: E(chain of d drafts) at d - 1
     tree_max = max((b for kind, b in sizes if kind == "tree"), default=0)
-    tree = best_path_probabilities(logp, tree_max, children).cumsum(0) if tree_max else chain[:0]
-    zero = chain.new_zeros(1)
-    picks = [zero if b == 0 else (chain if kind == "chain" else tree)[b - 1 : b] for kind, b in sizes]
-    return torch.cat(picks)
+    tree = best_path_probabilities(logp, tree_max, children).cumsum(-1) if tree_max else chain[..., :0]
+    zero = chain.new_zeros(*chain.shape[:-1], 1)
+    picks = [zero if b == 0 else (chain if kind == "chain" else tree)[..., b - 1 : b] for kind, b in sizes]
+    return torch.cat(picks, dim=-1)
 
 
 def best_path_probabilities(logp: torch.Tensor, count: int, children: int) -> torch.Tensor:
-    """log-marginals [K, V] -> the `count` largest path probabilities [count], decreasing, over the paths that
-    follow the top-1 chain, leave it at most once for one of a depth's `children` most probable tokens, and follow
-    it again (zeros where there are fewer paths)."""
-    K = logp.shape[0]
-    ranked = logp.topk(min(children, logp.shape[-1]), dim=-1).values  # [K, r]
-    chain = ranked[:, 0].cumsum(0)  # [K]: the chain to depth d
-    before = torch.cat((chain.new_zeros(1), chain[:-1]))  # the chain above depth d
+    """log-marginals [..., K, V] -> the `count` largest path probabilities [..., count], decreasing, over the
+    paths that follow the top-1 chain, leave it at most once for one of a depth's `children` most probable
+    tokens, and follow it again (zeros where there are fewer paths)."""
+    K = logp.shape[-2]
+    ranked = logp.topk(min(children, logp.shape[-1]), dim=-1).values  # [..., K, r]
+    chain = ranked[..., 0].cumsum(-1)  # [..., K]: the chain to depth d
+    before = torch.cat((chain.new_zeros(*chain.shape[:-1], 1), chain[..., :-1]), dim=-1)  # the chain above depth d
     depth = torch.arange(K, device=logp.device)
-    rejoin = torch.where(depth[None, :] >= depth[:, None], chain[None, :] - chain[:, None], float("-inf"))  # [d, e]
-    leave = before[:, None] + ranked[:, 1:]  # [d, j]: leave the chain at depth d for its (j + 1)-th token
-    scores = torch.cat((chain, (leave[:, :, None] + rejoin[:, None, :]).reshape(-1)))  # end at depth e >= d
-    best = scores.topk(min(count, scores.numel())).values.exp()
-    return torch.cat((best, best.new_zeros(count - best.numel())))
+    rejoin = torch.where(depth[None, :] >= depth[:, None], chain[..., None, :] - chain[..., :, None],
+                         float("-inf"))  # [..., d, e]
+    leave = before[..., :, None] + ranked[..., 1:]  # [..., d, j]: leave the chain at depth d for its (j + 1)-th token
+    ends = (leave[..., :, :, None] + rejoin[..., :, None, :]).flatten(-3)  # end at depth e >= d
+    scores = torch.cat((chain, ends), dim=-1)
+    best = scores.topk(min(count, scores.shape[-1]), dim=-1).values.exp()
+    return torch.cat((best, best.new_zeros(*best.shape[:-1], count - best.shape[-1])), dim=-1)

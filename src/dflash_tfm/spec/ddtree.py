@@ -24,48 +24,53 @@ LOGPROB_FLOOR = -1e30  # −inf logits (masked vocab) become very unlikely but r
 
 
 def best_first(logits: torch.Tensor, budget: int) -> tuple[torch.Tensor, ...]:
-    """The ``budget`` best nodes of the best-first tree over logits [K, V], in heap-pop order (see the module
-    docstring): (score [budget] fp32 path log-probabilities, decreasing; depth0 [budget] = depth - 1;
-    token ids [budget]; parent slot [budget] in this order, 0 = the root). No host sync, static shapes."""
-    K, V = logits.shape
+    """The ``budget`` best nodes of the best-first tree over logits [..., K, V] (one tree per leading index: a
+    batch's rows at once), in heap-pop order (see the module docstring): (score [..., budget] fp32 path
+    log-probabilities, decreasing; depth0 [..., budget] = depth - 1; token ids [..., budget]; parent slot
+    [..., budget] in this order, 0 = the root). No host sync, static shapes."""
+    *lead, K, V = logits.shape
     device = logits.device
     if budget < 1 or sum(V**d for d in range(1, K + 1)) < budget:  # only V == 1 can run out of nodes
         raise ValueError(f"budget {budget} does not fit a tree of depth {K} over a vocabulary of {V}")
+    rows = logits.reshape(-1, K, V)
+    B = rows.shape[0]
     beam, ranks = budget, min(budget, V)  # at most `budget` nodes per depth and children per node
-    logp, ids = logits.float().log_softmax(-1).clamp(min=LOGPROB_FLOOR).topk(ranks, dim=-1)  # [K, ranks]
+    logp, ids = rows.float().log_softmax(-1).clamp(min=LOGPROB_FLOOR).topk(ranks, dim=-1)  # [B, K, ranks]
 
     # Beam of the best `beam` nodes per depth, sorted (score desc, order of the previous depth, rank).
-    score = torch.full((K, beam), float("-inf"), device=device)  # −inf = padding when a depth has fewer nodes
-    parent = torch.zeros(K, beam, dtype=torch.long, device=device)  # position in the previous depth's beam
-    rank = torch.zeros(K, beam, dtype=torch.long, device=device)
-    score[0, :ranks] = logp[0]
-    rank[0, :ranks] = torch.arange(ranks, device=device)
+    score = torch.full((B, K, beam), float("-inf"), device=device)  # −inf = padding when a depth has fewer nodes
+    parent = torch.zeros(B, K, beam, dtype=torch.long, device=device)  # position in the previous depth's beam
+    rank = torch.zeros(B, K, beam, dtype=torch.long, device=device)
+    score[:, 0, :ranks] = logp[:, 0]
+    rank[:, 0, :ranks] = torch.arange(ranks, device=device)
     for d in range(1, K):
-        cand = (score[d - 1, :, None] + logp[d]).reshape(-1)  # [beam · ranks], index = parent · ranks + rank
-        top, idx = torch.sort(cand, descending=True, stable=True)
-        score[d], parent[d], rank[d] = top[:beam], idx[:beam] // ranks, idx[:beam] % ranks
+        cand = (score[:, d - 1, :, None] + logp[:, d, None, :]).reshape(B, -1)  # index = parent · ranks + rank
+        top, idx = torch.sort(cand, dim=-1, descending=True, stable=True)
+        score[:, d], parent[:, d], rank[:, d] = top[:, :beam], idx[:, :beam] // ranks, idx[:, :beam] % ranks
 
     # The best `budget` nodes over all depths; stable sort on the depth-major index breaks ties by depth.
-    best, picked = torch.sort(score.reshape(-1), descending=True, stable=True)
-    best, picked = best[:budget], picked[:budget]
-    depth0, pos = picked // beam, picked % beam  # depth0 = depth − 1
-    slot_of = torch.zeros(K * beam, dtype=torch.long, device=device)  # output slot of every picked beam entry
-    slot_of[picked] = torch.arange(1, budget + 1, device=device)
-    up = slot_of[(depth0 - 1).clamp(min=0) * beam + parent[depth0, pos]]
-    return best, depth0, ids[depth0, rank[depth0, pos]], torch.where(depth0 == 0, 0, up)
+    best, picked = torch.sort(score.reshape(B, -1), dim=-1, descending=True, stable=True)
+    best, picked = best[:, :budget], picked[:, :budget]
+    depth0 = picked // beam  # depth − 1; `picked` = depth0 · beam + position in that depth's beam
+    slot_of = torch.zeros(B, K * beam, dtype=torch.long, device=device)  # output slot of every picked beam entry
+    slot_of.scatter_(1, picked, torch.arange(1, budget + 1, device=device).expand(B, budget))
+    up = slot_of.gather(1, (depth0 - 1).clamp(min=0) * beam + parent.reshape(B, -1).gather(1, picked))
+    tokens = ids.reshape(B, -1).gather(1, depth0 * ranks + rank.reshape(B, -1).gather(1, picked))
+    out = (best, depth0, tokens, torch.where(depth0 == 0, 0, up))
+    return tuple(t.reshape(*lead, budget) for t in out)
 
 
 def build_ddtree(
     root_token: torch.Tensor, logits: torch.Tensor, budget: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """DDTREE over logits [K, V] (row k − 1 = depth k) with ``budget`` nodes below the root.
+    """DDTREE over logits [..., K, V] (row k − 1 = depth k) with ``budget`` nodes below the root; with leading
+    dims, one tree per index (root_token [...]: a batch's rows at once).
 
-    Returns tokens, parents, depths ``[budget + 1]`` long (node 0 = root with parent −1, parents before
+    Returns tokens, parents, depths ``[..., budget + 1]`` long (node 0 = root with parent −1, parents before
     children, distinct sibling tokens, depth ≤ K). No host sync and static shapes: CUDA-graph capturable.
     """
     _, depth0, ids, parents = best_first(logits, budget)
-    device = logits.device
-    root = root_token.reshape(1).to(device=device, dtype=torch.long)
-    minus_one = torch.full((1,), -1, dtype=torch.long, device=device)
-    zero = torch.zeros(1, dtype=torch.long, device=device)
-    return torch.cat([root, ids]), torch.cat([minus_one, parents]), torch.cat([zero, depth0 + 1])
+    lead = ids.shape[:-1]
+    root = root_token.reshape(*lead, 1).to(device=logits.device, dtype=torch.long)
+    minus_one = torch.full_like(root, -1)
+    return torch.cat([root, ids], -1), torch.cat([minus_one, parents], -1), torch.cat([root * 0, depth0 + 1], -1)
