@@ -18,9 +18,8 @@ import contextlib
 
 import torch
 
-from dflash_tfm.engine.model_runner import key_length_bucket
+from dflash_tfm.engine.model_runner import key_length_bucket, prefill_in_chunks
 from dflash_tfm.engine.phase_graphs import PhaseGraphs
-from dflash_tfm.layers.compile import unfused
 from dflash_tfm.layers.linear import skinny_projections
 from dflash_tfm.models.cache import ModelCache
 from dflash_tfm.models.decoder import CausalLM
@@ -61,12 +60,9 @@ class BatchRunner:
         if not token_ids or start + len(token_ids) >= self.max_len:
             raise ValueError(f"{len(token_ids)} prompt tokens at position {start} do not fit cache rows of "
                              f"{self.max_len}")
-        row = self.cache.row(slot)
-        ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)
-        positions = torch.arange(start, start + len(token_ids), device=self.device).view(1, -1)
-        with unfused():  # a new length every request (see `prefill_in_chunks`)
-            hidden, _ = self.model(ids, positions, row, kv_len=start + len(token_ids))
-        return self.model.logits(hidden[:, -1])
+        ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
+        last = prefill_in_chunks(self.model, ids, self.cache.row(slot), start, len(token_ids))
+        return self.model.logits(last.view(1, -1))
 
     @torch.inference_mode()
     def decode(self, tokens: dict[int, int], positions: dict[int, int]) -> torch.Tensor:

@@ -17,6 +17,18 @@ from dflash_tfm.layers.linear import skinny_projections
 from dflash_tfm.models.decoder import CausalLM
 
 MIN_BUCKET = 256
+# Prompt chunks of an attention-only target on CUDA are padded to a multiple of this many tokens: each new
+# prefill shape costs a one-time 0.1-0.8 s (measured on an H100 with SmolLM2, `benchmarks/bench_prefill.py`), and
+# a server sees a new prompt length with nearly every request; padded, a few dozen shapes serve every prompt.
+PREFILL_PAD = 64
+
+
+def prefill_padding(model: CausalLM, token_ids: torch.Tensor) -> int:
+    """The multiple a prompt chunk is padded to: `PREFILL_PAD` for an attention-only target on CUDA, else 1.
+    Padding tokens sit after the prompt, so no prompt token attends to them, and the K/V they write at later
+    positions are overwritten before any query reads them; a Gated-DeltaNet layer would fold them into its
+    recurrent state, so hybrid targets prefill exact lengths."""
+    return PREFILL_PAD if token_ids.is_cuda and not model.config.is_hybrid else 1
 
 
 def key_length_bucket(position: int, max_len: int) -> int:
@@ -31,20 +43,28 @@ def key_length_bucket(position: int, max_len: int) -> int:
 def prefill_in_chunks(
     model: CausalLM, token_ids: torch.Tensor, cache: ModelCache, start: int, chunk: int,
     tap_layers: tuple[int, ...] = (), on_taps: Callable[[list[torch.Tensor], int], None] | None = None,
+    pad_to: int | None = None,
 ) -> torch.Tensor:
     """Feed token_ids [T] (on the model's device) into batch-1 `cache` at positions start.. in chunks of `chunk`
-    (bounded activation memory); returns the final-normed hidden state [hidden] of the last token."""
+    (bounded activation memory); returns the final-normed hidden state [hidden] of the last token. Each chunk
+    runs padded to a multiple of `pad_to` tokens (default `prefill_padding`; never past the cache's end), the
+    padding's outputs dropped."""
     T = token_ids.shape[0]
-    ids = token_ids.view(1, T)
+    pad_to = prefill_padding(model, token_ids) if pad_to is None else pad_to
     hidden = None
     with unfused():  # a new length every request: compiled helpers would recompile and pay their guards
         for s in range(0, T, chunk):
             e = min(T, s + chunk)
-            positions = torch.arange(start + s, start + e, device=ids.device).view(1, -1)
-            hidden, taps = model(ids[:, s:e], positions, cache, kv_len=start + e, tap_layers=tap_layers)
+            n = e - s
+            width = min(-(-n // pad_to) * pad_to, cache.max_len - start - s)
+            ids = token_ids[s:e]
+            if width > n:  # repeats of the chunk's last token: any real id would do
+                ids = torch.cat((ids, ids[-1:].expand(width - n)))
+            positions = torch.arange(start + s, start + s + width, device=ids.device).view(1, -1)
+            hidden, taps = model(ids.view(1, -1), positions, cache, kv_len=start + s + width, tap_layers=tap_layers)
             if on_taps is not None:
-                on_taps(taps, start + s)
-    return hidden[0, -1]
+                on_taps([t[:, :n] for t in taps], start + s)
+    return hidden[0, n - 1]
 
 
 class ModelRunner:
