@@ -69,6 +69,9 @@ class ModelConfig:
     moe_intermediate_size: int = 0  # one routed expert's SwiGLU width
     shared_expert_intermediate_size: int = 0
     norm_topk_prob: bool = True  # renormalise the top-k router probabilities to sum to 1
+    # expert parallelism: (first, count) of the routed experts one rank holds whole; None: every expert (sliced
+    # by width across tensor-parallel ranks, if any). Set by `parallel.sharding.shard_config`, never by a checkpoint.
+    local_experts: tuple[int, int] | None = None
     # checkpoint layout
     weight_prefix: str = "model."  # where decoder weights live ("model.language_model." for the VL wrapper)
     fused_gdn_projections: bool = False  # Qwen3-Next in_proj_qkvz / in_proj_ba

@@ -44,7 +44,8 @@ def main(argv: list[str] | None = None) -> int:
         engine = Engine(args.model_path, args.speculative, device=args.device, dtype=args.dtype,
                         quantization=args.quantization,
                         max_model_len=args.max_model_len, use_cuda_graph=not args.disable_cuda_graph,
-                        tp_size=args.tp_size, max_running_requests=args.max_running_requests)
+                        tp_size=args.tp_size, ep_size=args.ep_size,
+                        max_running_requests=args.max_running_requests)
     except (FileNotFoundError, CheckpointError, ValueError, NotImplementedError) as e:
         print(f"launch_server: error: {e}", file=sys.stderr)
         return 2

@@ -118,6 +118,33 @@ def test_triton_routed_experts_match_twin(name: str, dtype: torch.dtype, tol: fl
     assert rel_err(got, want) <= tol
 
 
+def test_assignments_held_elsewhere_add_nothing(triton_device: str) -> None:
+    """Expert parallelism: ids of −1 are experts another rank holds. The twin's result is the sum over the
+    assignments held here alone (by definition: weights of the others zeroed), and the kernels, asked to expect
+    −1 (`elsewhere`), give the twin's; the ranks' partial sums add up to the whole block."""
+    T, k, E, H, I = 9, 4, 8, 40, 24
+    experts = random_experts(T, k, E, seed=11)
+    gen = torch.Generator().manual_seed(3)
+    x, weights = torch.randn(T, H, generator=gen), torch.rand(T, k, generator=gen)
+    gate_up, down = expert_weights(E, H, I, torch.float32, "cpu", seed=T)
+    whole = routed_experts_reference(x, weights, experts, gate_up, down)
+    partial = []
+    for first in (0, 4):  # two ranks of 4 experts
+        local = experts - first
+        held = torch.where((local >= 0) & (local < 4), local, -1)
+        assert (held == -1).any() and (held >= 0).any()
+        want = routed_experts_reference(x, torch.where(held >= 0, weights, 0), held.clamp(min=0),
+                                        gate_up[first:first + 4], down[first:first + 4])
+        assert torch.equal(routed_experts_reference(x, weights, held, gate_up[first:first + 4],
+                                                    down[first:first + 4]), want)
+        got = routed_experts(x.to(triton_device), weights.to(triton_device), held.to(triton_device),
+                             gate_up[first:first + 4].to(triton_device), down[first:first + 4].to(triton_device),
+                             TILES, elsewhere=True)
+        assert rel_err(got, want) <= 1e-5
+        partial.append(want)
+    assert rel_err(partial[0] + partial[1], whole) <= 1e-5
+
+
 def test_triton_moe_block_runs_the_kernels(triton_device: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The block hands its normed rows, mixing weights and choices to the Triton experts (the twin is barred)."""
     H, E, k, I, S = 40, 8, 2, 24, 16

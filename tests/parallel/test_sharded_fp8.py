@@ -47,22 +47,29 @@ def save_fp8(arch: str, root, fused: bool = False):
     return quantize_checkpoint(path, root / "fp8")
 
 
-def fp8_rows(rank: int, tp: int, path: str) -> dict[str, tuple[int, ...]]:
+def fp8_rows(rank: int, tp: int, path: str, whole_experts: bool = False) -> dict[str, tuple[int, ...]]:
     source, raw, _ = open_checkpoint(path)
-    model, _ = load_model(source, raw, torch.device("cpu"), torch.float32, 512, progress=False, shard=Shard(rank, tp))
+    model, _ = load_model(source, raw, torch.device("cpu"), torch.float32, 512, progress=False,
+                          shard=Shard(rank, tp, experts=whole_experts))
     return {n: tuple(m.weight.shape) for n, m in model.named_modules() if isinstance(m, Fp8Weight)}
 
 
-@pytest.mark.parametrize("arch, fused", [("llama", False), ("qwen3_5_moe_text", False), ("qwen3_5_moe_text", True)])
-def test_fp8_target_at_tp2_matches_tp1(arch: str, fused: bool, tmp_path) -> None:
+@pytest.mark.parametrize("arch, fused, whole_experts", [
+    ("llama", False, False), ("qwen3_5_moe_text", False, False), ("qwen3_5_moe_text", True, False),
+    ("qwen3_5_moe_text", False, True), ("qwen3_5_moe_text", True, True)])
+def test_fp8_target_at_tp2_matches_tp1(arch: str, fused: bool, whole_experts: bool, tmp_path) -> None:
+    """Each rank holds half the FP8 bytes, as slices of every expert or (expert parallelism) half the experts
+    whole, with their scales."""
     path = str(save_fp8(arch, tmp_path, fused))
     whole = fp8_rows(0, 1, path)
-    split = run_ranks(2, fp8_rows, path)
+    split = run_ranks(2, fp8_rows, path, whole_experts)
     assert whole and split[0].keys() == whole.keys()  # the same projections held in FP8, each a rank's slice
     held = [sum(math.prod(s) for s in shapes.values()) for shapes in (split[0], whole)]
     assert 0.5 <= held[0] / held[1] < 0.51  # half, but for the replicated router rows fused into a projection
+    if whole_experts:
+        assert {s[0] for n, s in split[0].items() if n.endswith("experts_gate_up")} == {2}  # 2 of 4 experts
     expected = passes(0, 1, path)
-    ranks = run_ranks(2, passes, path)
+    ranks = run_ranks(2, passes, path, whole_experts)
     for name, logits in expected.items():
         assert rel_err(ranks[0][name], logits) <= 1e-5, name
         assert torch.equal(ranks[1][name], ranks[0][name]), f"{name}: the ranks disagree"

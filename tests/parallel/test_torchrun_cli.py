@@ -64,3 +64,20 @@ def test_tp_size_beyond_the_gpus_is_one_line_error(capsys) -> None:
     assert main(["generate", "--prompt", "x", "--device", "cuda", "--tp-size", str(tp)]) == 2
     err = capsys.readouterr().err
     assert f"--tp-size {tp} needs {tp} GPUs, this machine has {gpus}" in err and "Traceback" not in err
+
+
+def test_expert_parallel_tp2_prints_what_tp1_prints(tmp_path) -> None:
+    """`--ep-size 2` on a mixture-of-experts target: each rank holds half the experts whole, same text."""
+    path = save_tiny_chat_model(tmp_path, "qwen3_5_moe_text")
+    args = ["--model-path", str(path), "--device", "cpu", "--dtype", "float32", "--prompt", "hello world",
+            "--max-new-tokens", "12"]
+    single = generate([*args, "--tp-size", "1"], [sys.executable])
+    experts = generate([*args, "--tp-size", "2", "--ep-size", "2"], [sys.executable])
+    assert experts.returncode == 0, experts.stderr
+    assert experts.stdout == single.stdout and single.stdout.strip(), (experts.stdout, single.stdout)
+
+
+def test_ep_size_unlike_the_tp_size_is_one_line_error(capsys) -> None:
+    assert main(["generate", "--prompt", "x", "--device", "cpu", "--ep-size", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "--ep-size must be 1 or equal to --tp-size (1)" in err and "Traceback" not in err

@@ -23,6 +23,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp-size", type=int, default=1,
                    help="tensor parallelism: split the target over N processes, one per GPU (NCCL) or CPU process "
                         "(gloo); the command starts the N processes itself (or runs as one of them under torchrun)")
+    p.add_argument("--ep-size", type=int, default=1,
+                   help="expert parallelism: 1, or the --tp-size to have each rank hold 1 / N of a mixture-of-experts "
+                        "target's routed experts whole instead of a slice of every expert")
     add_speculative_args(p)
 
 
@@ -33,4 +36,4 @@ def engine_from_args(args: argparse.Namespace) -> Engine:
 
     return Engine(args.model_path, speculative_config_from_args(args), device=args.device, dtype=args.dtype,
                   quantization=args.quantization, max_model_len=args.max_model_len, use_cuda_graph=not args.disable_cuda_graph,
-                  tp_size=args.tp_size)
+                  tp_size=args.tp_size, ep_size=args.ep_size)

@@ -56,6 +56,7 @@ class Engine:
         use_cuda_graph: bool = True,
         progress: bool = True,
         tp_size: int = 1,
+        ep_size: int = 1,
         max_running_requests: int = 1,
     ) -> None:
         """model_path None = the embedded SmolLM2-135M-Instruct; then a speculative config without checkpoint
@@ -73,10 +74,15 @@ class Engine:
         tp_size > 1 splits the target over that many processes (`parallel/`), each of which builds this Engine
         (started by the command itself or a launcher): the drafter and Weaver are replicated, so every rank builds
         the same tree and accepts the same tokens, and only the target's projections communicate. With continuous
-        batching rank 0 sends each step's admissions and aborts to the others before the step (`follow`)."""
+        batching rank 0 sends each step's admissions and aborts to the others before the step (`follow`).
+        ep_size = tp_size (expert parallelism) has each rank hold 1 / tp_size of a mixture-of-experts target's
+        routed experts whole, instead of a slice of every expert (`parallel/sharding.py`); 1 keeps the slices."""
         speculative = (speculative or SpeculativeConfig()).with_checkpoints(DEFAULT_BUNDLE if model_path is None else None)
         if max_running_requests < 1:
             raise ValueError(f"max_running_requests must be >= 1, got {max_running_requests}")
+        if ep_size not in (1, tp_size):
+            raise ValueError(f"--ep-size must be 1 or equal to --tp-size ({tp_size}): expert parallelism spreads the "
+                             f"experts over the tensor-parallel ranks; got {ep_size}")
         self.device = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' requested but CUDA is not available")
@@ -91,7 +97,7 @@ class Engine:
         slack = TREE_SLACK if spec_batch else 0  # a batched tree may reach past the context (`SpeculativeBatch`)
         loaded = load_target(model_path, self.device, self.dtype,
                              max_positions=(max_model_len or DEFAULT_MAX_MODEL_LEN) + slack, progress=progress,
-                             quantization=quantization, shard=Shard(tp_rank(), tp_size))
+                             quantization=quantization, shard=Shard(tp_rank(), tp_size, experts=ep_size > 1))
         self.config, self.tokenizer, self.model_path = loaded.config, loaded.tokenizer, loaded.source_path
         limit = min(self.config.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
         self.max_model_len = int(max_model_len or limit)

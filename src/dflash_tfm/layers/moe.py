@@ -33,14 +33,18 @@ class SparseMoE(nn.Module):
 
     def __init__(
         self, hidden_size: int, num_experts: int, top_k: int, expert_width: int, shared_width: int,
-        normalise_top_k: bool,
+        normalise_top_k: bool, local_experts: tuple[int, int] | None = None,
     ) -> None:
+        """local_experts: (first, count) of the experts this expert-parallel rank holds (`parallel/sharding.py`);
+        the router still scores all `num_experts`, and assignments to the others add nothing here."""
         super().__init__()
         self.num_experts, self.top_k, self.normalise_top_k = num_experts, top_k, normalise_top_k
+        self.local_experts = local_experts
+        held = num_experts if local_experts is None else local_experts[1]
         self.in_proj = projection_weight(num_experts + 1 + 2 * shared_width, hidden_size)
         self.shared_down = projection_weight(hidden_size, shared_width)
-        self.experts_gate_up = projection_weight(num_experts, 2 * expert_width, hidden_size)
-        self.experts_down = projection_weight(num_experts, hidden_size, expert_width)
+        self.experts_gate_up = projection_weight(held, 2 * expert_width, hidden_size)
+        self.experts_down = projection_weight(held, hidden_size, expert_width)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., H] (normed) -> [..., H]."""
@@ -49,10 +53,24 @@ class SparseMoE(nn.Module):
         router_logits, shared_gate, shared_gate_up = linear(rows, self.in_proj).split(
             [self.num_experts, 1, 2 * shared_width], dim=-1)
         weights, experts = route(router_logits, self.top_k, self.normalise_top_k)
-        run = fp8_routed_experts if isinstance(self.experts_gate_up, Fp8Weight) else routed_experts
-        routed = run(rows, weights.to(x.dtype), experts, self.experts_gate_up, self.experts_down)
+        weights = weights.to(x.dtype)
+        if isinstance(self.experts_gate_up, Fp8Weight):
+            routed = fp8_routed_experts(rows, weights, self.held_here(experts), self.experts_gate_up,
+                                        self.experts_down)
+        else:
+            routed = routed_experts(rows, weights, self.held_here(experts), self.experts_gate_up, self.experts_down,
+                                    elsewhere=self.local_experts is not None)
         shared = torch.sigmoid(shared_gate) * linear(silu_and_mul(shared_gate_up), self.shared_down)
         return (routed + shared).view(x.shape)
+
+
+    def held_here(self, experts: torch.Tensor) -> torch.Tensor:
+        """Global expert ids [T, k] -> ids into this rank's expert stacks, −1 for an expert another rank holds."""
+        if self.local_experts is None:
+            return experts
+        first, count = self.local_experts
+        local = experts - first
+        return torch.where((local >= 0) & (local < count), local, -1)
 
 
 def route(router_logits: torch.Tensor, top_k: int, normalise: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,7 +90,8 @@ def fp8_routed_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Te
     then the twin's batched products over those copies (static shapes, capture-safe). Correct, but it reads k · T
     dequantised copies rather than streaming the FP8 bytes once per active expert: the grouped kernel takes
     BF16 weights only so far."""
-    ids = experts.flatten()
+    ids = experts.flatten().clamp(min=0)  # −1 (held by another rank): a copy of expert 0, weighted by 0
     slots = torch.arange(ids.numel(), device=ids.device).view_as(experts)  # assignment i uses copy i
+    slots = torch.where(experts >= 0, slots, -1)
     return routed_experts_reference(x, weights, slots, gate_up[ids].dequantize(x.dtype),
                                     down[ids].dequantize(x.dtype))

@@ -188,11 +188,11 @@ def _as_rows(t: torch.Tensor) -> torch.Tensor:
 
 
 def build_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, max_positions: int,
-                tp_size: int = 1) -> CausalLM:
-    """Allocate the model's parameters (uninitialised) directly on `device` in `dtype`: one rank's slice at
-    tensor-parallel size `tp_size`."""
+                shard: Shard = Shard()) -> CausalLM:
+    """Allocate the model's parameters (uninitialised) directly on `device` in `dtype`: one tensor-parallel
+    rank's slice (`shard`)."""
     with torch.device(device), default_dtype(dtype):
-        model = CausalLM(cfg, max_positions, tp_size)
+        model = CausalLM(cfg, max_positions, shard)
     return model.eval().requires_grad_(False)
 
 
@@ -219,7 +219,7 @@ def load_model(
     stored_quantization = checkpoint_quantization(raw_config)
     cfg = ModelConfig.from_dict(raw_config)
     with deferred_projection_weights():
-        model = build_model(cfg, device, dtype, max_positions or cfg.max_position_embeddings, shard.size)
+        model = build_model(cfg, device, dtype, max_positions or cfg.max_position_embeddings, shard)
     load_weights(model, source, cfg, progress=progress, stored_quantization=stored_quantization,
                  quantization=quantization, shard=shard)
     return model, cfg

@@ -91,7 +91,7 @@ def _attention_specs(cfg: ModelConfig, src: str, dst: str, shard: Shard) -> dict
     H, D = cfg.hidden_size, cfg.head_dim
     q_head = D * (2 if cfg.attn_output_gate else 1)  # a gated head's q rows are [query | gate]
     q_rows, kv_rows = cfg.num_heads * q_head, cfg.num_kv_heads * D
-    local = shard_config(cfg, shard.size)
+    local = shard_config(cfg, shard)
     local_q, local_kv = local.num_heads * q_head, local.num_kv_heads * D
     kv_part = shard.part(0, shard.kv_block(cfg.num_kv_heads, D))
     specs = {
@@ -109,8 +109,9 @@ def _attention_specs(cfg: ModelConfig, src: str, dst: str, shard: Shard) -> dict
 
 
 def _moe_specs(cfg: ModelConfig, src: str, dst: str, stored: Collection[str], shard: Shard) -> dict[str, TensorSpec]:
-    """The router and the shared expert's gate are replicated; the shared expert and every routed expert are
-    split along their intermediate width."""
+    """The router and the shared expert's gate are replicated; the shared expert is split along its
+    intermediate width, and so is every routed expert, unless the rank holds whole experts (expert parallelism):
+    then it reads its own experts' tensors (or rows of the fused stacks) whole and no other expert's."""
     H, E = cfg.hidden_size, cfg.num_experts
     I, S = cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
     Il, Sl = I // shard.size, S // shard.size
@@ -123,6 +124,9 @@ def _moe_specs(cfg: ModelConfig, src: str, dst: str, stored: Collection[str], sh
         f"{src}shared_expert.up_proj.weight": TensorSpec((S, H), _to(in_proj, E + 1 + Sl), shared_rows),
         f"{src}shared_expert.down_proj.weight": TensorSpec((H, S), _to(f"{dst}shared_down"), shared_cols),
     }
+    local_experts = shard_config(cfg, shard).local_experts
+    if local_experts is not None:
+        return specs | _whole_expert_specs(src, gate_up, down, H, E, I, local_experts, stored)
     if f"{src}experts.gate_up_proj" in stored or f"{src}experts.down_proj" in stored:
         specs[f"{src}experts.gate_up_proj"] = TensorSpec(
             (E, 2 * I, H), _to(gate_up), shard.part(1, shard.block(I), shard.block(I, offset=I)))
@@ -136,6 +140,22 @@ def _moe_specs(cfg: ModelConfig, src: str, dst: str, stored: Collection[str], sh
     return specs
 
 
+def _whole_expert_specs(src: str, gate_up: str, down: str, H: int, E: int, I: int, local: tuple[int, int],
+                        stored: Collection[str]) -> dict[str, TensorSpec]:
+    """An expert-parallel rank's routed experts `local` = (first, count), each whole: rows first .. of the fused
+    stacks, or those experts' own tensors."""
+    first, count = local
+    if f"{src}experts.gate_up_proj" in stored or f"{src}experts.down_proj" in stored:
+        return {f"{src}experts.gate_up_proj": TensorSpec((E, 2 * I, H), _to(gate_up), (0, ((first, count),))),
+                f"{src}experts.down_proj": TensorSpec((E, H, I), _to(down), (0, ((first, count),)))}
+    specs = {}
+    for e in range(first, first + count):
+        specs[f"{src}experts.{e}.gate_proj.weight"] = TensorSpec((I, H), _to(gate_up, 2 * I * (e - first)))
+        specs[f"{src}experts.{e}.up_proj.weight"] = TensorSpec((I, H), _to(gate_up, 2 * I * (e - first) + I))
+        specs[f"{src}experts.{e}.down_proj.weight"] = TensorSpec((H, I), _to(down, H * (e - first)))
+    return specs
+
+
 def _gdn_specs(cfg: ModelConfig, src: str, dst: str, shard: Shard) -> dict[str, TensorSpec]:
     """Key and value heads are split across ranks: a rank reads its heads' q, k and v rows of the fused qkv
     projection and conv (three ranges, which land in the rank's own [q | k | v] order), its heads' z, b, a rows,
@@ -144,7 +164,7 @@ def _gdn_specs(cfg: ModelConfig, src: str, dst: str, shard: Shard) -> dict[str, 
     H, hk, hv = cfg.hidden_size, cfg.linear_num_key_heads, cfg.linear_num_value_heads
     dk, dv, kd = cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.gdn_key_dim
     conv, vdim = cfg.gdn_conv_dim, cfg.gdn_value_dim
-    local = shard_config(cfg, shard.size)
+    local = shard_config(cfg, shard)
     lconv, lvdim, lhv = local.gdn_conv_dim, local.gdn_value_dim, local.linear_num_value_heads
     in_proj = f"{dst}in_proj"
     qkv = (shard.block(hk, dk), shard.block(hk, dk, kd), shard.block(hv, dv, 2 * kd))

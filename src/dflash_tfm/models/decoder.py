@@ -31,7 +31,7 @@ from dflash_tfm.layers.rotary import RotaryEmbedding
 from dflash_tfm.layers.vocab_parallel import vocab_embedding, vocab_logits
 from dflash_tfm.models.cache import ModelCache
 from dflash_tfm.parallel.group import all_reduce
-from dflash_tfm.parallel.sharding import shard_config, vocab_rows
+from dflash_tfm.parallel.sharding import Shard, shard_config, vocab_rows
 from dflash_tfm.tree import TreeSpec
 
 
@@ -53,7 +53,7 @@ class DecoderLayer(nn.Module):
         self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_plus_one)
         self.mlp: SwiGLU | SparseMoE = (
             SparseMoE(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size,
-                      cfg.shared_expert_intermediate_size, cfg.norm_topk_prob)
+                      cfg.shared_expert_intermediate_size, cfg.norm_topk_prob, cfg.local_experts)
             if index in cfg.moe_layers else SwiGLU(cfg.hidden_size, cfg.intermediate_size)
         )
 
@@ -69,13 +69,14 @@ class DecoderLayer(nn.Module):
 
 
 class CausalLM(nn.Module):
-    """Target model for inference. Parameters are created empty; `loading.load_weights` fills them. At
-    tensor-parallel size `tp_size` it holds one rank's slice and `config` is that rank's (`shard_config`)."""
+    """Target model for inference. Parameters are created empty; `loading.load_weights` fills them. As one of
+    several tensor-parallel ranks (`shard`) it holds that rank's slice and `config` is that rank's
+    (`shard_config`)."""
 
-    def __init__(self, cfg: ModelConfig, max_positions: int, tp_size: int = 1) -> None:
+    def __init__(self, cfg: ModelConfig, max_positions: int, shard: Shard = Shard()) -> None:
         super().__init__()
-        cfg = self.config = shard_config(cfg, tp_size)
-        rows = vocab_rows(cfg.vocab_size, tp_size)  # split by vocabulary rows where tp divides V
+        cfg = self.config = shard_config(cfg, shard)
+        rows = vocab_rows(cfg.vocab_size, shard.size)  # split by vocabulary rows where tp divides V
         self.embed_tokens = nn.Parameter(torch.empty(rows, cfg.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_plus_one)

@@ -7,8 +7,12 @@ projection and conv by key/value heads, the MLP's and every expert's gate/up by 
 all-reduce per mixer and per feed-forward (`models/decoder.py`). Everything a head owns stays on its rank: the
 attention K/V cache of its KV heads, the GDN state and conv window of its value heads, so the tree verify and
 commit need no communication. KV heads fewer than ranks are replicated (each rank keeps the one its query heads
-read). Experts are split inside (each rank a slice of every expert's width), so routing is the same everywhere
-and the routed and shared experts' sum takes the same single all-reduce. The embedding and lm_head are split by
+read). Experts are split inside (each rank a slice of every expert's width), or with expert parallelism
+(`Shard.experts`, `--ep-size`) each rank holds E / N whole experts and computes only the assignments routed to
+them; either way routing is the same everywhere and the routed and shared experts' sum takes the same single
+all-reduce (the shared expert is always split by width). Whole experts keep each expert's GEMMs as wide as at
+tp 1 (at tp 8 a 512-wide expert would be 64 wide, and an FP8 one could not be split on its 128-column scale
+blocks at all); a step then waits for the rank its tokens routed to most. The embedding and lm_head are split by
 vocabulary rows when the rank count divides the vocabulary (`vocab_rows`; `layers/vocab_parallel.py`: a lookup
 masked to the rank's rows and all-reduced, logits all-gathered, so every rank holds the full logits and samples
 the same tokens), else replicated. The router and norms are replicated; so are the drafter and Weaver, which use
@@ -42,8 +46,9 @@ def _divides(tp: int, count: int, field: str) -> None:
         raise ValueError(f"--tp-size {tp} does not divide the target's {field} ({count})")
 
 
-def check_tp_size(cfg: ModelConfig, tp: int) -> None:
-    """Refuse a tensor-parallel size the target's heads or widths do not split into, naming the config field."""
+def check_tp_size(cfg: ModelConfig, tp: int, expert_parallel: bool = False) -> None:
+    """Refuse a tensor-parallel size the target's heads, widths or (with `expert_parallel`) experts do not split
+    into, naming the config field."""
     if tp < 1:
         raise ValueError(f"--tp-size must be at least 1, got {tp}")
     if tp == 1:
@@ -61,21 +66,27 @@ def check_tp_size(cfg: ModelConfig, tp: int) -> None:
     if len(cfg.moe_layers) < cfg.num_layers:
         _divides(tp, cfg.intermediate_size, "intermediate_size")
     if cfg.moe_layers:
-        _divides(tp, cfg.moe_intermediate_size, "moe_intermediate_size")
+        if expert_parallel:
+            _divides(tp, cfg.num_experts, "num_experts")
+        else:
+            _divides(tp, cfg.moe_intermediate_size, "moe_intermediate_size")
         _divides(tp, cfg.shared_expert_intermediate_size, "shared_expert_intermediate_size")
 
 
-def shard_config(cfg: ModelConfig, tp: int) -> ModelConfig:
+def shard_config(cfg: ModelConfig, shard: Shard) -> ModelConfig:
     """The config of one rank's slice of the target (`check_tp_size` first): what its layers and caches hold."""
-    check_tp_size(cfg, tp)
+    tp = shard.size
+    check_tp_size(cfg, tp, shard.experts)
     if tp == 1:
         return cfg
+    experts = shard.experts and bool(cfg.moe_layers)
     return replace(
         cfg, num_heads=cfg.num_heads // tp, num_kv_heads=max(1, cfg.num_kv_heads // tp),
         intermediate_size=cfg.intermediate_size // tp,
         linear_num_key_heads=cfg.linear_num_key_heads // tp, linear_num_value_heads=cfg.linear_num_value_heads // tp,
-        moe_intermediate_size=cfg.moe_intermediate_size // tp,
+        moe_intermediate_size=cfg.moe_intermediate_size if experts else cfg.moe_intermediate_size // tp,
         shared_expert_intermediate_size=cfg.shared_expert_intermediate_size // tp,
+        local_experts=shard.block(cfg.num_experts) if experts else None,
     )
 
 
@@ -86,10 +97,12 @@ def vocab_rows(vocab_size: int, tp: int) -> int:
 
 @dataclass(frozen=True)
 class Shard:
-    """This process's rank among `size` tensor-parallel ranks; at size 1 every `part` is None (read it whole)."""
+    """This process's rank among `size` tensor-parallel ranks; at size 1 every `part` is None (read it whole).
+    experts: expert parallelism, each rank holding `block(num_experts)` whole routed experts (module docstring)."""
 
     rank: int = 0
     size: int = 1
+    experts: bool = False
 
     def block(self, count: int, width: int = 1, offset: int = 0) -> tuple[int, int]:
         """(start, length) of this rank's share of `count` units of `width` rows starting at row `offset`."""

@@ -68,6 +68,7 @@ class ServerArgs:
     max_model_len: int | None = None
     disable_cuda_graph: bool = False
     tp_size: int = 1
+    ep_size: int = 1
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     max_running_requests: int = DEFAULT_MAX_RUNNING
     host: str = DEFAULT_HOST
@@ -187,7 +188,8 @@ def server_args_from_namespace(ns: argparse.Namespace, environ: dict[str, str] |
         admitted = DEFAULT_MAX_ADMITTED
     return ServerArgs(
         model_path=ns.model_path, dtype=ns.dtype, quantization=ns.quantization, device=ns.device, max_model_len=ns.max_model_len,
-        disable_cuda_graph=ns.disable_cuda_graph, tp_size=ns.tp_size, speculative=spec,
+        disable_cuda_graph=ns.disable_cuda_graph, tp_size=ns.tp_size, ep_size=ns.ep_size,
+        speculative=spec,
         max_running_requests=running, host=ns.host, port=ns.port,
         served_model_name=ns.served_model_name, max_admitted_requests=admitted, api_key=api_key,
         allowed_hosts=allowed, max_request_bytes=ns.max_request_bytes, timeout_read=ns.timeout_read,

@@ -118,10 +118,12 @@ def _down_kernel(
 
 
 def routed_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, gate_up: torch.Tensor,
-                   down: torch.Tensor, tiles: ExpertTiles | None = None) -> torch.Tensor:
+                   down: torch.Tensor, tiles: ExpertTiles | None = None, elsewhere: bool = False) -> torch.Tensor:
     """x [T, H], mixing weights [T, k] (x's dtype), expert ids [T, k], gate_up [E, 2I, H] (gate rows, then up
     rows), down [E, H, I] -> Σ_j weights[t, j] · SwiGLU_{experts[t, j]}(x[t]) [T, H]. Tiles: `default_tiles`
-    unless given. Without Triton: `routed_experts_reference`."""
+    unless given. `elsewhere`: ids may be −1, an expert another expert-parallel rank holds, whose assignments
+    add nothing here: they are grouped as one more expert whose blocks no GEMM program runs (three more small
+    launches, so only expert-parallel layers ask for it). Without Triton: `routed_experts_reference`."""
     if not use_triton(x):
         return routed_experts_reference(x, weights, experts, gate_up, down)
     T, k = experts.shape
@@ -132,7 +134,11 @@ def routed_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
                          f"gate_up {tuple(gate_up.shape)}, down {tuple(down.shape)} do not fit together")
     A = T * k
     t = tiles or default_tiles(A, E)
-    blocks = expert_blocks(experts, E, t.block_m)
+    if elsewhere:  # the others' assignments as expert E, whose blocks are then marked unused (−1)
+        blocks = expert_blocks(torch.where(experts < 0, E, experts), E + 1, t.block_m)
+        blocks = blocks._replace(block_expert=torch.where(blocks.block_expert == E, -1, blocks.block_expert))
+    else:
+        blocks = expert_blocks(experts, E, t.block_m)
     nb = blocks.block_expert.shape[0]
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     launch = dict(PRECISION=precision, BM=t.block_m, BN=t.block_n, BK=t.block_k, num_warps=t.num_warps,
@@ -141,7 +147,7 @@ def routed_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
     _gate_up_kernel[(nb, triton.cdiv(I, t.block_n))](
         x, gate_up, hidden, blocks.order, blocks.block_expert, blocks.block_rows, H, I, k, *x.stride(),
         *gate_up.stride(), **launch)
-    out = torch.empty(A, H, dtype=x.dtype, device=x.device)
+    out = (torch.zeros if elsewhere else torch.empty)(A, H, dtype=x.dtype, device=x.device)  # unrun rows add 0
     _down_kernel[(nb, triton.cdiv(H, t.block_n))](
         hidden, down, weights.contiguous(), out, blocks.order, blocks.block_expert, blocks.block_rows, H, I,
         *down.stride(), **launch)

@@ -23,8 +23,10 @@ import torch.nn.functional as F
 def routed_experts_reference(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, gate_up: torch.Tensor,
                              down: torch.Tensor) -> torch.Tensor:
     """x [T, H], mixing weights [T, k] (x's dtype), expert ids [T, k], gate_up [E, 2I, H] (gate rows, then up
-    rows), down [E, H, I] -> Σ_j weights[t, j] · SwiGLU_{experts[t, j]}(x[t]) [T, H]."""
-    return mix(expert_outputs(x, experts, gate_up, down), weights)
+    rows), down [E, H, I] -> Σ_j weights[t, j] · SwiGLU_{experts[t, j]}(x[t]) [T, H]. An id of −1 is an expert
+    another expert-parallel rank holds: its assignment adds nothing here."""
+    held = experts >= 0
+    return mix(expert_outputs(x, experts.clamp(min=0), gate_up, down), torch.where(held, weights, 0))
 
 
 def mix(outputs: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
