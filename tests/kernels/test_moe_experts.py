@@ -118,6 +118,31 @@ def test_triton_routed_experts_match_twin(name: str, dtype: torch.dtype, tol: fl
     assert rel_err(got, want) <= tol
 
 
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.float16, 2e-3)])
+@pytest.mark.parametrize("k, E, H, I, held_elsewhere", [(1, 4, 40, 24, False), (8, 10, 72, 40, False),
+                                                        (8, 10, 300, 130, False), (4, 8, 40, 24, True)])
+def test_one_token_takes_the_decode_kernels_and_matches_twin(k: int, E: int, H: int, I: int, held_elsewhere: bool,
+                                                             dtype: torch.dtype, tol: float, triton_device: str,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decode step (one token, no tiles given) whose tuned choice is "gemv" runs the two GEMV kernels of
+    `decode_experts.py`, not the grouped ones; sizes off their 16 x 128 tiles, and ids of −1 (experts another
+    rank holds) add nothing."""
+    experts = random_experts(1, k, E, seed=k + E)
+    if held_elsewhere:
+        experts[0, ::2] = -1
+    gen = torch.Generator().manual_seed(H)
+    x = torch.randn(1, H, generator=gen).to(dtype)
+    weights = torch.rand(1, k, generator=gen).to(dtype)
+    gate_up, down = expert_weights(E, H, I, dtype, "cpu", seed=I)
+    want = routed_experts_reference(x, weights, experts, gate_up, down)
+    monkeypatch.setattr(grouped_module, "expert_blocks", None)  # the grouped path would fail
+    with grouped_module.DECODE_EXPERTS.forced("gemv"):
+        got = routed_experts(x.to(triton_device), weights.to(triton_device), experts.to(triton_device),
+                             gate_up.to(triton_device), down.to(triton_device))
+    assert got.shape == (1, H) and got.dtype == dtype
+    assert rel_err(got, want) <= tol
+
+
 def test_assignments_held_elsewhere_add_nothing(triton_device: str) -> None:
     """Expert parallelism: ids of −1 are experts another rank holds. The twin's result is the sum over the
     assignments held here alone (by definition: weights of the others zeroed), and the kernels, asked to expect

@@ -24,8 +24,15 @@ import triton
 import triton.language as tl
 
 from dflash_tfm.kernels import use_triton
+from dflash_tfm.kernels.moe.decode_experts import decode_routed_experts
 from dflash_tfm.kernels.moe.expert_blocks import expert_blocks
 from dflash_tfm.kernels.moe.reference import routed_experts_reference
+from dflash_tfm.tuning import TunedChoice
+
+
+# One token's routed experts (a decode step): the grouped kernels below, or the two GEMV launches of
+# `decode_experts.py`, whichever the first use per shape times faster on this GPU (not yet compared on an H100).
+DECODE_EXPERTS = TunedChoice("decode_experts", default="grouped", candidates=("grouped", "gemv"))
 
 
 @dataclass(frozen=True)
@@ -121,9 +128,11 @@ def routed_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
                    down: torch.Tensor, tiles: ExpertTiles | None = None, elsewhere: bool = False) -> torch.Tensor:
     """x [T, H], mixing weights [T, k] (x's dtype), expert ids [T, k], gate_up [E, 2I, H] (gate rows, then up
     rows), down [E, H, I] -> Σ_j weights[t, j] · SwiGLU_{experts[t, j]}(x[t]) [T, H]. Tiles: `default_tiles`
-    unless given. `elsewhere`: ids may be −1, an expert another expert-parallel rank holds, whose assignments
-    add nothing here: they are grouped as one more expert whose blocks no GEMM program runs (three more small
-    launches, so only expert-parallel layers ask for it). Without Triton: `routed_experts_reference`."""
+    unless given. One token without tiles may instead take the two GEMV launches of `decode_experts.py`: a tuned
+    choice (`DECODE_EXPERTS`), timed against these kernels on first use per shape. `elsewhere`: ids may be −1,
+    an expert another expert-parallel rank holds, whose assignments add nothing here: they are grouped as one
+    more expert whose blocks no GEMM program runs (three more small launches, so only expert-parallel layers ask
+    for it). Without Triton: `routed_experts_reference`."""
     if not use_triton(x):
         return routed_experts_reference(x, weights, experts, gate_up, down)
     T, k = experts.shape
@@ -132,6 +141,23 @@ def routed_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
     if x.shape != (T, H) or weights.shape != (T, k) or down.shape != (E, H, I):
         raise ValueError(f"routed_experts: x {tuple(x.shape)}, weights {tuple(weights.shape)}, experts {(T, k)}, "
                          f"gate_up {tuple(gate_up.shape)}, down {tuple(down.shape)} do not fit together")
+    if T == 1 and tiles is None:  # a decode step: the grouped kernels, or two GEMV launches, as timed
+        def candidates() -> dict:
+            return {"grouped": lambda: _grouped(x, weights, experts, gate_up, down, None, elsewhere),
+                    "gemv": lambda: decode_routed_experts(x, weights, experts, gate_up, down)}
+
+        key = (H, I, E, k, x.dtype, gate_up.dtype)
+        if DECODE_EXPERTS.pick(key, candidates, x.device) == "gemv":
+            return decode_routed_experts(x, weights, experts, gate_up, down)
+    return _grouped(x, weights, experts, gate_up, down, tiles, elsewhere)
+
+
+def _grouped(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, gate_up: torch.Tensor,
+             down: torch.Tensor, tiles: ExpertTiles | None, elsewhere: bool) -> torch.Tensor:
+    """`routed_experts` by the grouped kernels (the module docstring)."""
+    T, k = experts.shape
+    E, two_i, H = gate_up.shape
+    I = two_i // 2
     A = T * k
     t = tiles or default_tiles(A, E)
     if elsewhere:  # the others' assignments as expert E, whose blocks are then marked unused (−1)
