@@ -6,8 +6,11 @@ one at `--budget`, a number or `auto`) decodes `--requests-per-slot` × C held-o
 greedy, `--max-new-tokens` each, EOS ignored so every request does the same work). All requests arrive at once
 and wait in a queue; a request enters the batch as soon as a slot frees, as in the server. Reported per cell:
 total tokens per second of the whole run, per-request latency (arrival to last token) p50 / p99, per-request
-decode speed (tokens / (last token − first token)) p50, and mean tokens per step; after a warm-up run of C
-requests, so graphs and tuned choices are in place. Each request's tokens are compared with the AR cell's of
+decode speed (tokens / (last token − first token)) p50, and mean tokens per step; after a warm-up run of the
+same requests, so the graphs, tuned choices and prompt shapes every cell uses are in place before it is timed
+(a cost paid once per process, such as a new prompt shape, would otherwise land on whichever cell met it first:
+AR, which runs first). Where a speculative cell makes AR's tokens per step, it did not speculate, and its
+ratio to AR is the engines' overhead, not a speculation gain. Each request's tokens are compared with the AR cell's of
 the same concurrency: how many requests are equal, and the mean share of each request's tokens before its first
 difference. In fp32 every request is equal (greedy decoding is lossless); in bf16 a tree verify and a decode step
 round differently, so a near-tie can flip a token and the two continuations part from there.
@@ -113,7 +116,7 @@ def main() -> None:
             engine = Engine(args.target_path, spec, device=args.device, dtype=args.dtype,
                             max_model_len=args.max_model_len, max_running_requests=max(c, 2), progress=False)
             batch_texts = texts[: c * args.requests_per_slot]
-            run(engine, batch_texts[:c], params, c)  # warm-up: every bucket up to c, graphs and tuned choices
+            run(engine, batch_texts, params, c)  # warm-up: the timed run's prompts, buckets, graphs and choices
             r = run(engine, batch_texts, params, c)
             outputs = r.pop("outputs")
             if algorithm == "AR":
@@ -128,7 +131,7 @@ def main() -> None:
     print(f"\n{len(texts)} prompts max, {args.max_new_tokens} new tokens each, greedy, budget {args.budget}")
     print("| algorithm | concurrency | tokens/s | vs AR | latency p50 s | p99 s | request tok/s p50 | tokens/step "
           "| equal to AR | tokens before a difference |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     ar = {r["concurrency"]: r["tokens_per_s"] for r in rows if r["algorithm"] == "AR"}
     for r in rows:
         c = r["concurrency"]

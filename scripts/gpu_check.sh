@@ -74,6 +74,8 @@ has fp8 && run bench_verify_step_fp8 python3 -m benchmarks.bench_verify_step --n
 has fp8 && [ -n "${SMOL_GGUF:-}" ] && run fp8_agreement python3 -m benchmarks.fp8_agreement --target-path "$SMOL_GGUF" \
   --dataset-dir .stage/datasets --out "$OUT/fp8_agreement.json"
 # Prompt prefill: the first prefill at a new length (what a request pays before its first token) and again.
+has prefill && run bench_prefill_exact python3 -m benchmarks.bench_prefill --pad-to 1 --profile 517 \
+  --out "$OUT/prefill_exact.json"
 has prefill && run bench_prefill python3 -m benchmarks.bench_prefill --profile 517 --out "$OUT/prefill.json"
 # Continuous batching, AR against each speculative algorithm, at concurrency 1 / 4 / 16 / 32 (SmolLM2 staged).
 has batch && [ -n "${SMOL_GGUF:-}" ] && run batch_throughput python3 -m benchmarks.batch_throughput \

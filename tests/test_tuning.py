@@ -158,11 +158,12 @@ def test_tests_keep_the_cache_out_of_the_home_directory() -> None:
 
 
 @pytest.mark.gpu
-def test_candidates_see_what_the_caller_s_stream_wrote(tmp_path) -> None:
+def test_candidates_see_what_the_caller_s_stream_wrote(tmp_path, monkeypatch) -> None:
     """On a real GPU: the caller's stream is still busy (a sleep, then a write) when a choice is timed, and the
     candidates, which run on the timer's own stream, read the written value, not the one before."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
+    monkeypatch.setattr(tuning, "_registry", {})  # the test's operator is registered afresh on every run
     session_directory = tuning.cache_dir()
     tuning.use_directory(tmp_path)
     try:

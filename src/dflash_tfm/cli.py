@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         if getattr(args, "tp_size", 1) > 1 and not launched_by_a_launcher():  # start the ranks ourselves
-            return relaunch(args.tp_size, "dflash_tfm.cli", argv, args.device)
+            return relaunch(args.tp_size, "dflash_tfm.cli", argv, args.device, getattr(args, "ep_size", 1))
         return args.func(args)
     except (FileNotFoundError, CheckpointError, ValueError, NotImplementedError) as e:
         print(f"dflash-tfm {args.command}: error: {e}", file=sys.stderr)

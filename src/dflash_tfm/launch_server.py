@@ -25,7 +25,7 @@ def main(argv: list[str] | None = None) -> int:
 
         if not launched_by_a_launcher():  # one process per rank, started here; rank 0 serves
             try:
-                return relaunch(args.tp_size, "dflash_tfm.launch_server", argv, args.device)
+                return relaunch(args.tp_size, "dflash_tfm.launch_server", argv, args.device, args.ep_size)
             except ValueError as e:
                 print(f"launch_server: error: {e}", file=sys.stderr)
                 return 2

@@ -29,8 +29,9 @@ def passes(rank: int, tp: int, path: str, whole_experts: bool = False) -> dict[s
     source, raw, _ = open_checkpoint(path)
     model, _ = load_model(source, raw, CPU, torch.float32, 512, progress=False,
                           shard=Shard(rank, tp, experts=whole_experts))
-    held = {layer.mlp.experts_gate_up.shape[0] for layer in model.layers if isinstance(layer.mlp, SparseMoE)}
-    assert held <= {model.config.num_experts // tp if whole_experts else model.config.num_experts}
+    if model.config.moe_layers:
+        held = {layer.mlp.experts_gate_up.shape[0] for layer in model.layers if isinstance(layer.mlp, SparseMoE)}
+        assert held == {model.config.num_experts // tp if whole_experts else model.config.num_experts}
     runner = ModelRunner(model, max_len=64, device=CPU, use_cuda_graph=False)
     runner.reset()
     vocab = model.config.vocab_size  # token ids below are taken modulo it

@@ -78,6 +78,8 @@ def test_expert_parallel_tp2_prints_what_tp1_prints(tmp_path) -> None:
 
 
 def test_ep_size_unlike_the_tp_size_is_one_line_error(capsys) -> None:
-    assert main(["generate", "--prompt", "x", "--device", "cpu", "--ep-size", "2"]) == 2
-    err = capsys.readouterr().err
-    assert "--ep-size must be 1 or equal to --tp-size (1)" in err and "Traceback" not in err
+    """Refused once, before any rank starts (at --tp-size 2 the command would start two)."""
+    for flags, tp in ((["--ep-size", "2"], 1), (["--tp-size", "2", "--ep-size", "3"], 2)):
+        assert main(["generate", "--prompt", "x", "--device", "cpu", *flags]) == 2
+        err = capsys.readouterr().err
+        assert err.count(f"--ep-size must be 1 or equal to --tp-size ({tp})") == 1 and "Traceback" not in err

@@ -49,7 +49,7 @@ MIN_DRAFTS = 16
 SHRINK_STEPS = 4
 PROBE_SHARE = 0.01
 MAX_PROBE_INTERVAL = 1024
-OUTLIER = 2.0  # one step's wall time counts as at most this many times its size's current T(b)
+MAX_STEP_TIME_RATIO = 2.0  # one step's wall time counts as at most this many times its size's current T(b)
 
 
 class BudgetController:
@@ -175,10 +175,10 @@ class BudgetController:
         """A step at `size` took `seconds` of wall time, the next step's draft included when it drafts (size 0:
         without any draft), so T(size) follows the current context. A step cannot run much faster than the
         start-up's fastest: a time under half of that (a draft's time subtracted from a step that overlapped it)
-        counts as half. Nor does one step say a size got much dearer: a time over `OUTLIER` times the current
+        counts as half. Nor does one step say a size got much dearer: a time over `MAX_STEP_TIME_RATIO` times the current
         T(size) counts as that. A context grows a step's time by a little per step, while a one-off stall (a
         CUDA graph captured for a new context bucket, a tuned kernel timed, a garbage collection) can cost a
         hundred steps' time: counted in full it made the size look too dear to take again, and a size not taken
-        never has its time corrected (on an H100 the batched SmolLM2 engine so fell back to plain decoding)."""
-        seconds = min(max(seconds, 0.5 * self.measured_seconds[size]), OUTLIER * self.step_seconds[size])
+        never has its time corrected (most likely why the batched SmolLM2 engine hardly speculated on an H100)."""
+        seconds = min(max(seconds, 0.5 * self.measured_seconds[size]), MAX_STEP_TIME_RATIO * self.step_seconds[size])
         self.step_seconds[size] += self.smoothing * (seconds - self.step_seconds[size])

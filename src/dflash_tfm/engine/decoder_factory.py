@@ -93,10 +93,10 @@ def _proposer(algorithm: str, size: int, block: int, weaver, children_per_node: 
     where the chain is at least as good), DDTREE's best-first tree, or a Weaver-grown tree."""
     if algorithm == "DFLASH" or (algorithm == "DFLASH_TFM" and size + 1 <= block):
         return Proposer(lambda root, logits, hidden, h_target: build_chain(root, logits[..., :size, :]),
-                        num_nodes=size + 1, kind="chain", rows=True)
+                        num_nodes=size + 1, kind="chain", batched=True)
     if algorithm == "DDTREE":
         return Proposer(lambda root, logits, hidden, h_target: build_ddtree(root, logits, size), num_nodes=size + 1,
-                        rows=True)
+                        batched=True)
     depth = weaver.config.K  # min(block - 1, the Weaver's K): a Weaver trained for shallower trees reads fewer depths
     return Proposer(lambda root, logits, hidden, h_target: build_weaver_tree(
         weaver, root, logits[:depth], hidden[:depth], h_target, size, children_per_node=children_per_node),

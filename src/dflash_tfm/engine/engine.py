@@ -33,7 +33,7 @@ from dflash_tfm.engine.speculative_batch import TREE_SLACK, SpeculativeBatch
 from dflash_tfm.loading.default_model import DEFAULT_BUNDLE
 from dflash_tfm.loading.loader import auto_dtype, load_target, parse_dtype
 from dflash_tfm.parallel.group import broadcast_object, init_tensor_parallel, tp_rank, tp_size as group_size
-from dflash_tfm.parallel.sharding import Shard
+from dflash_tfm.parallel.sharding import Shard, check_ep_size
 from dflash_tfm.sampling import make_generator
 from dflash_tfm.sampling_params import SamplingParams
 from dflash_tfm.speculative_config import SpeculativeConfig
@@ -80,9 +80,7 @@ class Engine:
         speculative = (speculative or SpeculativeConfig()).with_checkpoints(DEFAULT_BUNDLE if model_path is None else None)
         if max_running_requests < 1:
             raise ValueError(f"max_running_requests must be >= 1, got {max_running_requests}")
-        if ep_size not in (1, tp_size):
-            raise ValueError(f"--ep-size must be 1 or equal to --tp-size ({tp_size}): expert parallelism spreads the "
-                             f"experts over the tensor-parallel ranks; got {ep_size}")
+        check_ep_size(tp_size, ep_size)
         self.device = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' requested but CUDA is not available")

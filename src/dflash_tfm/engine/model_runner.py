@@ -18,8 +18,9 @@ from dflash_tfm.models.decoder import CausalLM
 
 MIN_BUCKET = 256
 # Prompt chunks of an attention-only target on CUDA are padded to a multiple of this many tokens: each new
-# prefill shape costs a one-time 0.1-0.8 s (measured on an H100 with SmolLM2, `benchmarks/bench_prefill.py`), and
-# a server sees a new prompt length with nearly every request; padded, a few dozen shapes serve every prompt.
+# prefill shape cost a one-time 0.1-0.8 s (an ad-hoc H100 probe with SmolLM2 shapes, docs/PERFORMANCE.md "Prompt
+# prefill"; `benchmarks/bench_prefill.py` now times it), and a server sees a new prompt length with nearly every
+# request; padded, a few dozen shapes serve every prompt.
 PREFILL_PAD = 64
 
 
@@ -50,6 +51,8 @@ def prefill_in_chunks(
     runs padded to a multiple of `pad_to` tokens (default `prefill_padding`; never past the cache's end), the
     padding's outputs dropped."""
     T = token_ids.shape[0]
+    if T == 0:
+        raise ValueError("an empty prompt has nothing to prefill")
     pad_to = prefill_padding(model, token_ids) if pad_to is None else pad_to
     hidden = None
     with unfused():  # a new length every request: compiled helpers would recompile and pay their guards

@@ -22,6 +22,7 @@ request that never drafts costs the drafter nothing.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -32,6 +33,7 @@ from dflash_tfm.engine.budget import BudgetController
 from dflash_tfm.engine.model_runner import ModelRunner
 from dflash_tfm.engine.phase_graphs import PhaseGraphs
 from dflash_tfm.engine.phase_timer import PhaseTimer, fastest_seconds
+from dflash_tfm.layers.compile import unfused
 from dflash_tfm.layers.linear import skinny_projections
 from dflash_tfm.parallel.group import broadcast_object, tp_size
 from dflash_tfm.sampling import sample
@@ -48,14 +50,14 @@ TreeBuilder = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
 class Proposer:
     """build(root [1] long, draft_logits [K, V] fp32, draft_hidden [K, H], h_target [H]) -> tokens, parents,
     depths, each [num_nodes] (static, so the step's shapes never change). kind: "chain" or "tree", which of the
-    drafter-side acceptance estimates (`spec.acceptance_estimate`) predicts it. rows: `build` also takes a
+    drafter-side acceptance estimates (`spec.acceptance_estimate`) predicts it. batched: `build` also takes a
     batch's rows at once (root [B], logits [B, K, V], hidden [B, K, H], h_target [B, H] -> [B, num_nodes] each),
     in the launches of one row."""
 
     build: TreeBuilder
     num_nodes: int
     kind: str = "tree"
-    rows: bool = False
+    batched: bool = False
 
 
 
@@ -301,8 +303,11 @@ class SpeculativeDecoder:
                 spans[-1] = (parts, first, start + feats.shape[1])
             else:
                 spans.append(([feats], start, start + feats.shape[1]))
-        for parts, start, _ in spans:
-            self.drafter.append_context(torch.cat(parts, dim=1), start)
+        # One token (a decode step's) is the shape every step repeats: compiled. Longer spans (a prompt, the tokens
+        # of several decode steps between drafts) have lengths that vary: eagerly, as the prompt's prefill runs.
+        with unfused() if self._pending_tokens > 1 else contextlib.nullcontext():
+            for parts, start, _ in spans:
+                self.drafter.append_context(torch.cat(parts, dim=1), start)
         self._pending_context.clear()
         self._pending_tokens = 0
 

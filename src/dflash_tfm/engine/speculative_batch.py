@@ -260,7 +260,7 @@ class SpeculativeBatch(BatchSlots):
         else:
             logits, hidden = self._drafted[bucket]
             proposer = self.proposers[size]
-            if proposer.rows:  # every row's tree in the launches of one
+            if proposer.batched:  # every row's tree in the launches of one
                 tokens, parents, depths = proposer.build(self._root[:bucket], logits, hidden, self._h_last[:bucket])
             else:
                 built = [proposer.build(self._root[r : r + 1], logits[r], hidden[r], self._h_last[r])

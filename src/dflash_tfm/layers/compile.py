@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import os
 from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Callable, Iterator, TypeVar
 
 import torch
@@ -26,21 +27,20 @@ def enabled() -> bool:
 # shapes are few and replayed from CUDA graphs. Counted in tokens (batch x sequence, the first two dims), not
 # rows: a 65-node tree's per-head q [1, 65, 24, 256] is 1560 rows but one small verify.
 MAX_FUSED_TOKENS = 512
-_unfused = False  # inside `unfused()`
+_unfused: ContextVar[bool] = ContextVar("unfused", default=False)  # inside `unfused()` (per thread)
 
 
 @contextmanager
 def unfused() -> Iterator[None]:
     """Run every helper eagerly inside this block: for prompt prefill, whose length changes with every request.
-    Compiled, each new length recompiled (1.5 s for the second length SmolLM2 saw on an H100, 1.2 s for a
-    333-token prompt later), and every call paid dynamo's guards and wrappers (about 0.3 ms each, 40 ms of a
-    30-token SmolLM2 prefill), where the eager kernels they would fuse cost microseconds."""
-    global _unfused
-    previous, _unfused = _unfused, True
+    Compiled, new lengths recompiled (1.5 s for the second length SmolLM2 saw on an H100, 1.2 s for a 333-token
+    prompt later); a repeated 30-token SmolLM2 prefill took 55 ms compiled and 25 ms eagerly (an ad-hoc H100
+    probe, docs/PERFORMANCE.md "Prompt prefill")."""
+    token = _unfused.set(True)
     try:
         yield
     finally:
-        _unfused = previous
+        _unfused.reset(token)
 
 
 def small_enough_to_fuse(x: torch.Tensor, count_rows: bool = False) -> bool:
@@ -65,7 +65,7 @@ def fuse_on_cuda(fn: F, count_rows: bool = False) -> F:
     def wrapper(*args, **kwargs):
         nonlocal compiled
         x = args[0]
-        if x.is_cuda and enabled() and not _unfused and small_enough_to_fuse(x, count_rows):
+        if x.is_cuda and enabled() and not _unfused.get() and small_enough_to_fuse(x, count_rows):
             if compiled is None:
                 torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
                 compiled = torch.compile(fn)

@@ -63,7 +63,6 @@ class SparseMoE(nn.Module):
         shared = torch.sigmoid(shared_gate) * linear(silu_and_mul(shared_gate_up), self.shared_down)
         return (routed + shared).view(x.shape)
 
-
     def held_here(self, experts: torch.Tensor) -> torch.Tensor:
         """Global expert ids [T, k] -> ids into this rank's expert stacks, −1 for an expert another rank holds."""
         if self.local_experts is None:
@@ -83,14 +82,13 @@ def route(router_logits: torch.Tensor, top_k: int, normalise: bool) -> tuple[tor
     return weights, experts
 
 
-
 def fp8_routed_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, gate_up: Fp8Weight,
                        down: Fp8Weight) -> torch.Tensor:
     """The routed experts of FP8 expert stacks: each assignment's expert gathered and dequantised to x's dtype,
     then the twin's batched products over those copies (static shapes, capture-safe). Correct, but it reads k · T
     dequantised copies rather than streaming the FP8 bytes once per active expert: the grouped kernel takes
     BF16 weights only so far."""
-    ids = experts.flatten().clamp(min=0)  # −1 (held by another rank): a copy of expert 0, weighted by 0
+    ids = experts.flatten().clamp(min=0)  # −1 (held by another rank): a copy of expert 0, left out of the sum
     slots = torch.arange(ids.numel(), device=ids.device).view_as(experts)  # assignment i uses copy i
     slots = torch.where(experts >= 0, slots, -1)
     return routed_experts_reference(x, weights, slots, gate_up[ids].dequantize(x.dtype),

@@ -13,6 +13,8 @@ import signal
 import subprocess
 import sys
 
+from dflash_tfm.parallel.sharding import check_ep_size
+
 
 def launched_by_a_launcher() -> bool:
     return "WORLD_SIZE" in os.environ
@@ -28,10 +30,13 @@ def check_devices(tp_size: int, device: str | None) -> None:
         raise ValueError(f"--tp-size {tp_size} needs {tp_size} GPUs, this machine has {torch.cuda.device_count()}")
 
 
-def relaunch(tp_size: int, module: str, argv: list[str], device: str | None) -> int:
+def relaunch(tp_size: int, module: str, argv: list[str], device: str | None, ep_size: int = 1) -> int:
     """Run `python -m module argv` as `tp_size` ranks under `torch.distributed.run --standalone` and wait for
-    them; the launcher's exit status (0 when every rank succeeded). Output goes where this process's goes."""
+    them; the launcher's exit status (0 when every rank succeeded). Output goes where this process's goes. Sizes
+    the ranks cannot run (too few devices, an --ep-size unlike the --tp-size) are refused here, once, before any
+    rank starts (ValueError)."""
     check_devices(tp_size, device)
+    check_ep_size(tp_size, ep_size)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(tp_size),
            "-m", module, *argv]
     launcher = subprocess.Popen(cmd)

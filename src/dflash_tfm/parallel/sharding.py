@@ -46,6 +46,13 @@ def _divides(tp: int, count: int, field: str) -> None:
         raise ValueError(f"--tp-size {tp} does not divide the target's {field} ({count})")
 
 
+def check_ep_size(tp: int, ep: int) -> None:
+    """Expert parallelism spreads the experts over the tensor-parallel ranks: --ep-size is 1 or --tp-size."""
+    if ep not in (1, tp):
+        raise ValueError(f"--ep-size must be 1 or equal to --tp-size ({tp}): expert parallelism spreads the experts "
+                         f"over the tensor-parallel ranks; got {ep}")
+
+
 def check_tp_size(cfg: ModelConfig, tp: int, expert_parallel: bool = False) -> None:
     """Refuse a tensor-parallel size the target's heads, widths or (with `expert_parallel`) experts do not split
     into, naming the config field."""

@@ -146,7 +146,7 @@ def routed_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
             return {"grouped": lambda: _grouped(x, weights, experts, gate_up, down, None, elsewhere),
                     "gemv": lambda: decode_routed_experts(x, weights, experts, gate_up, down)}
 
-        key = (H, I, E, k, x.dtype, gate_up.dtype)
+        key = (H, I, E, k, x.dtype, gate_up.dtype, elsewhere)
         if DECODE_EXPERTS.pick(key, candidates, x.device) == "gemv":
             return decode_routed_experts(x, weights, experts, gate_up, down)
     return _grouped(x, weights, experts, gate_up, down, tiles, elsewhere)

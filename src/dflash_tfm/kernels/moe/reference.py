@@ -26,14 +26,18 @@ def routed_experts_reference(x: torch.Tensor, weights: torch.Tensor, experts: to
     rows), down [E, H, I] -> Σ_j weights[t, j] · SwiGLU_{experts[t, j]}(x[t]) [T, H]. An id of −1 is an expert
     another expert-parallel rank holds: its assignment adds nothing here."""
     held = experts >= 0
-    return mix(expert_outputs(x, experts.clamp(min=0), gate_up, down), torch.where(held, weights, 0))
+    return mix(expert_outputs(x, experts.clamp(min=0), gate_up, down), weights, held)
 
 
-def mix(outputs: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+def mix(outputs: torch.Tensor, weights: torch.Tensor, held: torch.Tensor | None = None) -> torch.Tensor:
     """Per-assignment expert outputs [T · k, H] (token-major) and weights [T, k] -> their weighted sum per token
-    [T, H]."""
+    [T, H], over the assignments `held` [T, k] only (all when None): the others' outputs are left out, not
+    multiplied by zero, which an infinite output would turn into NaN."""
     tokens, k = weights.shape
-    return (outputs.view(tokens, k, -1) * weights.unsqueeze(-1)).sum(dim=1)
+    weighted = outputs.view(tokens, k, -1) * weights.unsqueeze(-1)
+    if held is not None:
+        weighted = torch.where(held.unsqueeze(-1), weighted, 0)
+    return weighted.sum(dim=1)
 
 
 def expert_outputs(x: torch.Tensor, experts: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
