@@ -60,7 +60,8 @@ def main() -> None:
     ap.add_argument("--target", default="smollm2-135m", choices=sorted(SHAPES), help="the shapes of the target")
     ap.add_argument("--lengths", type=int, nargs="+", default=[30, 31, 100, 333, 1000])
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--pad-to", type=int, default=None, help="pad chunks to a multiple of this (default: as the engine)")
+    ap.add_argument("--pad-to", type=int, default=None,
+                    help="pad chunks to a multiple of this (default: as the engine)")
     ap.add_argument("--warmup-length", type=int, default=1500)
     ap.add_argument("--profile", type=int, default=None, metavar="N", help="profile the first prefill of N tokens")
     ap.add_argument("--out", default=None)

@@ -175,9 +175,9 @@ class BudgetController:
         """A step at `size` took `seconds` of wall time, the next step's draft included when it drafts (size 0:
         without any draft), so T(size) follows the current context. A step cannot run much faster than the
         start-up's fastest: a time under half of that (a draft's time subtracted from a step that overlapped it)
-        counts as half. Nor does one step say a size got much dearer: a time over `MAX_STEP_TIME_RATIO` times the current
-        T(size) counts as that. A context grows a step's time by a little per step, while a one-off stall (a
-        CUDA graph captured for a new context bucket, a tuned kernel timed, a garbage collection) can cost a
+        counts as half. Nor does one step say a size got much dearer: a time over `MAX_STEP_TIME_RATIO` times the
+        current T(size) counts as that. A context grows a step's time by a little per step, while a one-off stall
+        (a CUDA graph captured for a new context bucket, a tuned kernel timed, a garbage collection) can cost a
         hundred steps' time: counted in full it made the size look too dear to take again, and a size not taken
         never has its time corrected (most likely why the batched SmolLM2 engine hardly speculated on an H100)."""
         seconds = min(max(seconds, 0.5 * self.measured_seconds[size]), MAX_STEP_TIME_RATIO * self.step_seconds[size])

@@ -73,4 +73,5 @@ def build_ddtree(
     lead = ids.shape[:-1]
     root = root_token.reshape(*lead, 1).to(device=logits.device, dtype=torch.long)
     minus_one = torch.full_like(root, -1)
-    return torch.cat([root, ids], -1), torch.cat([minus_one, parents], -1), torch.cat([torch.zeros_like(root), depth0 + 1], -1)
+    depths = torch.cat([torch.zeros_like(root), depth0 + 1], -1)
+    return torch.cat([root, ids], -1), torch.cat([minus_one, parents], -1), depths
